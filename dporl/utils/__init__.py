@@ -1,0 +1,1 @@
+"""Small helpers shared by every layer: atomic files, validation errors, seeding, typed configs."""
