@@ -1,0 +1,1 @@
+"""The privacy layer: every noise draw and every epsilon dporl reports is computed here."""

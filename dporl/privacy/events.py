@@ -1,0 +1,116 @@
+"""Descriptions of privacy-relevant releases.
+
+An event describes exactly one release as the code performs it (sampling scheme, rate, noise), so that any
+accountant can analyse it and a ledger can replay a whole run's events into a joint analysis. Noise multipliers
+are noise standard deviation (or Laplace scale) divided by the L2 (or L1) sensitivity of the released sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Union
+
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+
+@dataclass(frozen=True)
+class PoissonGaussianEvent:
+    """Gaussian sum over a Poisson sample (each unit independently with ``sample_rate``); add/remove adjacency.
+
+    ``sample_rate = 1`` is the plain Gaussian mechanism.
+    """
+
+    noise_multiplier: float
+    sample_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        check_probability("sample_rate", self.sample_rate, allow_zero=False)
+
+
+@dataclass(frozen=True)
+class MixtureEvent:
+    """With probability ``probability`` run ``event``; otherwise a data-independent step.
+
+    The branch taken is observable (a noiseless step is visible in the iterates), so the privacy loss is a
+    mixture of zero loss and ``event``'s loss: PLD = (1 - p) * point_mass(0) + p * PLD(event).
+    """
+
+    probability: float
+    event: PoissonGaussianEvent
+
+    def __post_init__(self) -> None:
+        check_probability("probability", self.probability)
+        if not isinstance(self.event, PoissonGaussianEvent):
+            raise ValidationError("event", "a mixture wraps a PoissonGaussianEvent")
+
+
+@dataclass(frozen=True)
+class ApproxDPEvent:
+    """A mechanism known only to be (epsilon, delta)-DP (e.g. one sparse-vector stable-prefix run)."""
+
+    epsilon: float
+    delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive("epsilon", self.epsilon, allow_zero=True)
+        check_probability("delta", self.delta, allow_one=False)
+
+
+@dataclass(frozen=True)
+class LaplaceEvent:
+    """Laplace noise with scale = noise_multiplier * L1 sensitivity (pure eps = 1 / noise_multiplier)."""
+
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+
+
+@dataclass(frozen=True)
+class SampledWithoutReplacementGaussianEvent:
+    """Gaussian sum over a uniformly random subset of fixed size ``sample_size`` out of ``population`` units.
+
+    Replace-one adjacency; ``noise_multiplier`` is relative to the replace-one L2 sensitivity (2 x clip norm for
+    a clipped sum), so callers pass sigma_noise / (2 C).
+    """
+
+    noise_multiplier: float
+    sample_size: int
+    population: int
+
+    def __post_init__(self) -> None:
+        check_positive("noise_multiplier", self.noise_multiplier)
+        if self.sample_size < 1 or self.population < self.sample_size:
+            raise ValidationError(
+                "sample_size", f"need 1 <= sample_size <= population, got {self.sample_size}, {self.population}"
+            )
+
+
+PrivacyEvent = Union[
+    PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent
+]
+
+_EVENT_TYPES = {
+    cls.__name__: cls
+    for cls in (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent)
+}
+
+
+def event_to_dict(event: PrivacyEvent) -> dict[str, Any]:
+    """JSON/torch-safe description of an event (used in checkpoints and reports)."""
+    payload: dict[str, Any] = {"type": type(event).__name__}
+    for field in dataclasses.fields(event):
+        value = getattr(event, field.name)
+        payload[field.name] = event_to_dict(value) if dataclasses.is_dataclass(value) else value
+    return payload
+
+
+def event_from_dict(payload: dict[str, Any]) -> PrivacyEvent:
+    payload = dict(payload)
+    name = payload.pop("type", None)
+    if name not in _EVENT_TYPES:
+        raise ValidationError("event.type", f"unknown privacy event {name!r}")
+    kwargs = {k: event_from_dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
+    return _EVENT_TYPES[name](**kwargs)
