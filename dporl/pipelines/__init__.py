@@ -1,0 +1,44 @@
+"""Experiment pipelines: one config dataclass and one run function each, dispatched by ``train.py``.
+
+A YAML config names its pipeline (``pipeline: expert_cql``); the rest of the file is that pipeline's config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from dporl.utils.validation import ValidationError
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    config_cls: type
+    run: Callable[[Any], dict]
+    # evaluate(checkpoint_payload, episodes, seed, out_dir) -> metrics, for evaluate.py
+    evaluate: Optional[Callable[..., dict]] = None
+
+
+_REGISTRY: dict[str, Pipeline] = {}
+# Pipelines register themselves on import; this maps each name to its module so train.py imports only what it runs.
+_MODULES = {
+    "dataset": "dporl.pipelines.dataset",
+}
+
+
+def register(pipeline: Pipeline) -> Pipeline:
+    _REGISTRY[pipeline.name] = pipeline
+    return pipeline
+
+
+def get_pipeline(name: Any) -> Pipeline:
+    if name not in _MODULES:
+        raise ValidationError("pipeline", f"unknown pipeline {name!r} (known: {', '.join(sorted(_MODULES))})")
+    importlib.import_module(_MODULES[name])
+    return _REGISTRY[name]
+
+
+def known_pipelines() -> list[str]:
+    return sorted(_MODULES)

@@ -1,0 +1,1 @@
+"""The one training loop every dporl algorithm runs through, its configs and checkpoints."""

@@ -1,0 +1,74 @@
+"""Typed configs of the shared training loop (loaded from YAML by dporl.utils.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adam", "sgd", "rmsprop"] = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    # "inverse_time": lr_i = lr / (i + time_offset), i = 1, 2, ... (GPOPE's Theorem-3 schedule is lr = eta / lambda_min)
+    schedule: Literal["constant", "inverse_time"] = "constant"
+    time_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive("optimizer.lr", self.lr)
+        check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("optimizer.time_offset", self.time_offset, allow_zero=True)
+
+
+@dataclass
+class DPConfig:
+    """The private training stage: its budget, its noise and its analysis."""
+
+    enabled: bool = True
+    epsilon: Optional[float] = None  # budget of this stage; required when enabled
+    delta: float = 1e-5
+    noise_multiplier: Optional[float] = None  # None: the smallest that fits `epsilon` within trainer.max_steps
+    max_grad_norm: float = 1.0
+    accountant: Literal["rdp", "prv", "pld"] = "rdp"
+    clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
+    # None draws a secret seed: anyone who knows the noise seed can subtract the noise.
+    noise_seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.epsilon is None:
+            raise ValidationError("dp.epsilon", "a private run needs a budget (set dp.enabled=false for none)")
+        check_positive("dp.epsilon", self.epsilon)
+        check_probability("dp.delta", self.delta, allow_zero=False, allow_one=False)
+        check_positive("dp.max_grad_norm", self.max_grad_norm)
+        if self.noise_multiplier is not None:
+            check_positive("dp.noise_multiplier", self.noise_multiplier)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: Optional[int] = 10_000  # cap on optimizer steps; a private run also stops at its budget
+    seed: int = 0
+    log_every: int = 100
+    eval_every: int = 1_000
+    checkpoint_every: int = 1_000
+    # Steps are authorised in blocks of this size in a write-ahead journal, so a crash can never under-count.
+    journal_every: int = 50
+    device: str = "cpu"
+    progress: bool = True
+    # Raw losses / gradient norms of private batches in TensorBoard (curator-only, not covered by the guarantee).
+    curator_diagnostics: bool = True
+    resume: bool = True
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValidationError("trainer.max_steps", f"must be >= 0, got {self.max_steps}")
+        for name in ("log_every", "eval_every", "checkpoint_every", "journal_every"):
+            if getattr(self, name) < 1:
+                raise ValidationError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
