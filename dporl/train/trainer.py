@@ -27,7 +27,7 @@ from torch import nn
 
 from dporl.logging import CURATOR_PREFIX, RunLogger
 from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
-from dporl.privacy.dpsgd import DPSGDEngine
+from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
@@ -272,12 +272,14 @@ class Trainer:
                 {"units": float(stats.n_units), "clip_fraction": stats.clip_fraction, "grad_norm": stats.mean_norm}
             )
         elif closed_form:
-            direction = self.algorithm.unit_directions(batch).mean(dim=0)
-            _write_flat_grad(self._trainable(), direction)
+            write_flat_gradients(self._trainable(), self.algorithm.unit_directions(batch).mean(dim=0))
         else:
-            loss = self.algorithm.row_losses(batch).mean()
-            loss.backward()
-            diagnostics["public_loss"] = float(loss.detach())
+            losses = self.algorithm.row_losses(batch)
+            if engine is not None:  # lets the engine drop what its hooks recorded on this noiseless step
+                engine.public_backward(losses)
+            else:
+                losses.mean().backward()
+            diagnostics["public_loss"] = float(losses.detach().mean())
         optimizer.step()
         return diagnostics
 
@@ -313,16 +315,6 @@ class Trainer:
             raise ValidationError(
                 "trainer.resume", f"{self.checkpoint_path} belongs to a different configuration; use a new run_dir"
             )
-
-
-def _write_flat_grad(params: Sequence[nn.Parameter], direction: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = direction[offset : offset + n].view_as(p).to(p.dtype).clone()
-        offset += n
-    if offset != direction.numel():
-        raise ValidationError("unit_directions", f"length {direction.numel()} != trainable parameters {offset}")
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -1,0 +1,47 @@
+"""Noise sources: the only place dporl draws privacy noise.
+
+Threat note. If the seed of the noise generator is known (printed in a config, committed to a repository), anyone
+can regenerate the noise and subtract it from a released model: the guarantee is void. ``NoiseSource(seed=None)``,
+the default for real runs, therefore draws its seed from the operating system's CSPRNG and never reveals it. A fixed
+seed is for tests and exact reproductions; the guarantee then holds only while the seed, and every checkpoint
+(which stores the generator state), are kept secret like the data. ``dporl.privacy.secure_noise`` offers samplers
+that also resist floating-point attacks on the sampled values.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Sequence
+
+import torch
+
+from dporl.utils.validation import check_positive
+
+
+class NoiseSource:
+    """Gaussian and Laplace draws from one torch generator (CPU, so results do not depend on the device)."""
+
+    def __init__(self, seed: int | None = None):
+        self.reproducible = seed is not None
+        self._generator = torch.Generator()
+        self._generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+
+    def gaussian(self, shape: Sequence[int] | int, std: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        std = check_positive("noise.std", std, allow_zero=True)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return torch.randn(shape, generator=self._generator, dtype=torch.float64).mul_(std).to(dtype)
+
+    def laplace(self, shape: Sequence[int] | int, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        scale = check_positive("noise.scale", scale)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        # Difference of two Exp(1) variables is Laplace(1); avoids log(0) at the ends of the uniform's support.
+        first = torch.empty(shape, dtype=torch.float64).exponential_(generator=self._generator)
+        second = torch.empty(shape, dtype=torch.float64).exponential_(generator=self._generator)
+        return ((first - second) * scale).to(dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self._generator.get_state(), "reproducible": self.reproducible}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._generator.set_state(state["generator"])
+        self.reproducible = bool(state["reproducible"])

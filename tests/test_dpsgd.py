@@ -1,0 +1,186 @@
+import pytest
+import torch
+from torch import nn
+
+from dporl.privacy.dpsgd import DPSGDEngine
+from dporl.privacy.noise import NoiseSource
+from dporl.utils.validation import ValidationError
+
+MODES = ["bookkeeping", "ghost", "opacus", "naive"]
+
+
+class QNet(nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.q = nn.Sequential(nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 3, bias=bias))
+        self.target = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.target.requires_grad_(False)
+
+    def row_losses(self, obs, actions, next_obs, rewards):
+        q_all = self.q(obs)
+        q_taken = q_all.gather(1, actions[:, None]).squeeze(1)
+        with torch.no_grad():
+            # the online net at s' under no_grad (double DQN) must not count as a second call
+            best = self.q(next_obs).argmax(1, keepdim=True)
+            y = rewards + 0.9 * self.target(next_obs).gather(1, best).squeeze(1)
+        return (q_taken - y) ** 2 + torch.logsumexp(q_all, 1) - q_taken
+
+
+def _batch(rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 5, generator=g), torch.randint(0, 3, (rows,), generator=g),
+            torch.randn(rows, 5, generator=g), torch.randn(rows, generator=g))
+
+
+def _reference(model, batch, unit_index, n_units, clip):
+    """Independent reference: each unit's gradient by its own autograd pass on its mean loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for u in range(n_units):
+        mask = unit_index == u
+        if not mask.any():
+            continue
+        loss = model.row_losses(*(t[mask] for t in batch)).mean()
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, clip / (float(norm) + 1e-6))
+        for t, g in zip(total, grads):
+            t += factor * g
+    return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows_per_unit", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_modes_match_per_unit_reference(mode, rows_per_unit, bias):
+    torch.manual_seed(0)
+    model = QNet(bias)
+    n_units, clip, expected = 7, 0.5, 10.0
+    batch = _batch(n_units * rows_per_unit)
+    # interleave units so that a bug mixing neighbouring rows cannot pass
+    unit_index = torch.arange(n_units).repeat(rows_per_unit)[torch.randperm(n_units * rows_per_unit)]
+    want = _reference(model, batch, unit_index, n_units, clip)
+    engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=expected,
+                         noise=NoiseSource(0), mode=mode)
+    stats = engine.private_backward(model.row_losses(*batch), unit_index, n_units)
+    got = [p.grad * expected for p in model.parameters() if p.requires_grad]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert stats.n_units == n_units and 0.0 <= stats.clip_fraction <= 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_uneven_units_and_units_without_rows(mode):
+    torch.manual_seed(1)
+    model = QNet()
+    unit_index = torch.tensor([0, 0, 0, 2, 4, 4, 2, 0])  # units 1 and 3 were sampled but own no rows
+    batch = _batch(len(unit_index), seed=3)
+    want = _reference(model, batch, unit_index, 5, 0.3)
+    engine = DPSGDEngine(model, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=1.0,
+                         noise=NoiseSource(0), mode=mode)
+    engine.private_backward(model.row_losses(*batch), unit_index, 5)
+    for w, p in zip(want, [p for p in model.parameters() if p.requires_grad]):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+
+
+def test_each_unit_contribution_is_bounded_by_clip_norm():
+    """A unit with a huge loss moves the summed gradient by at most C (the sensitivity the analysis assumes)."""
+    torch.manual_seed(2)
+    model = QNet()
+    obs, actions, next_obs, rewards = _batch(6)
+    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0,
+                         noise=NoiseSource(0))
+    unit_index = torch.arange(6)
+    engine.private_backward(model.row_losses(obs, actions, next_obs, rewards), unit_index, 6)
+    with_all = torch.cat([p.grad.flatten() for p in engine.params])
+    engine.private_backward(model.row_losses(obs[:5], actions[:5], next_obs[:5], rewards[:5]), unit_index[:5], 5)
+    without = torch.cat([p.grad.flatten() for p in engine.params])
+    rewards = rewards.clone()
+    rewards[5] = 1e6
+    engine.private_backward(model.row_losses(obs, actions, next_obs, rewards), unit_index, 6)
+    with_outlier = torch.cat([p.grad.flatten() for p in engine.params])
+    assert float((with_all - without).norm()) <= 1.0 + 1e-4
+    assert float((with_outlier - without).norm()) <= 1.0 + 1e-4
+    assert float((with_outlier - without).norm()) > 0.99  # the outlier is clipped to exactly C
+
+
+def test_noise_has_the_calibrated_scale_and_empty_batches_are_pure_noise():
+    model = nn.Sequential(nn.Linear(50, 40))
+    engine = DPSGDEngine(model, max_grad_norm=2.0, noise_multiplier=3.0, expected_batch_size=4.0,
+                         noise=NoiseSource(0))
+    stats = engine.private_backward(torch.zeros(0), torch.zeros(0, dtype=torch.long), 0)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    # std should be sigma * C / B = 1.5; the sample std of n normal draws has standard error std / sqrt(2n).
+    standard_error = 1.5 / (2 * len(flat)) ** 0.5
+    assert abs(float(flat.std()) - 1.5) < 4 * standard_error
+    assert abs(float(flat.mean())) < 4 * 1.5 / len(flat) ** 0.5
+    assert stats.n_units == 0 and stats.noise_std == 6.0
+
+
+def test_private_direction_and_write_gradients():
+    model = nn.Linear(3, 2)
+    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2.0,
+                         noise=NoiseSource(0))
+    vectors = torch.tensor([[3.0, 4.0] + [0.0] * 6, [0.3, 0.4] + [0.0] * 6])
+    direction = engine.private_direction(vectors)
+    torch.testing.assert_close(direction[:2], torch.tensor([(0.6 + 0.3) / 2, (0.8 + 0.4) / 2]))
+    assert engine.last_stats.clip_fraction == 0.5
+    engine.write_gradients(direction)
+    assert model.weight.grad.flatten()[:2].tolist() == pytest.approx(direction[:2].tolist())
+    with pytest.raises(ValidationError):
+        engine.write_gradients(torch.zeros(3))
+
+
+def test_bookkeeping_refuses_non_linear_parameters_and_double_calls():
+    class Raw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.theta = nn.Parameter(torch.zeros(3))
+
+    with pytest.raises(ValidationError, match="opacus"):
+        DPSGDEngine(Raw(), max_grad_norm=1, noise_multiplier=1, expected_batch_size=1, noise=NoiseSource(0))
+    layer = nn.Linear(2, 1)
+    engine = DPSGDEngine(layer, max_grad_norm=1, noise_multiplier=1, expected_batch_size=1, noise=NoiseSource(0))
+    x = torch.randn(4, 2)
+    losses = layer(x).squeeze(1) + layer(x).squeeze(1)
+    with pytest.raises(ValidationError, match="2 times"):
+        engine.private_backward(losses, torch.arange(4), 4)
+
+
+def test_sequence_inputs_match_reference():
+    torch.manual_seed(4)
+    layer = nn.Linear(4, 3)
+    x = torch.randn(6, 5, 4)  # rows with a time axis
+    unit_index = torch.tensor([0, 1, 1, 2, 2, 2])
+
+    def losses():
+        return layer(x).pow(2).sum((1, 2))
+
+    params = list(layer.parameters())
+    want = [torch.zeros_like(p) for p in params]
+    for u in range(3):
+        grads = torch.autograd.grad(losses()[unit_index == u].mean(), params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for w, g in zip(want, grads):
+            w += min(1.0, 0.7 / float(norm)) * g
+    for mode in ["bookkeeping", "ghost"]:
+        engine = DPSGDEngine(layer, max_grad_norm=0.7, noise_multiplier=0.0, expected_batch_size=1.0,
+                             noise=NoiseSource(0), mode=mode)
+        engine.private_backward(losses(), unit_index, 3)
+        for w, p in zip(want, params):
+            torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_arguments_name_their_field():
+    layer = nn.Linear(2, 1)
+    for kwargs, field in [({"max_grad_norm": 0}, "dp.max_grad_norm"), ({"noise_multiplier": -1}, "dp.noise_multiplier"),
+                          ({"expected_batch_size": 0}, "expected_batch_size"), ({"mode": "fast"}, "dp.clipping")]:
+        base = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, noise=NoiseSource(0))
+        base.update(kwargs)
+        with pytest.raises(ValidationError) as info:
+            DPSGDEngine(layer, **base)
+        assert info.value.field == field
+    engine = DPSGDEngine(layer, max_grad_norm=1, noise_multiplier=1, expected_batch_size=1, noise=NoiseSource(0))
+    with pytest.raises(ValidationError) as info:
+        engine.private_backward(layer(torch.randn(3, 2)).squeeze(1), torch.tensor([0, 1, 5]), 3)
+    assert info.value.field == "unit_index"
