@@ -184,3 +184,18 @@ def test_bad_arguments_name_their_field():
     with pytest.raises(ValidationError) as info:
         engine.private_backward(layer(torch.randn(3, 2)).squeeze(1), torch.tensor([0, 1, 5]), 3)
     assert info.value.field == "unit_index"
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])
+def test_contiguous_blocks_with_empty_units_match_reference(mode):
+    """The sampler's layout: equal contiguous blocks per unit, some sampled units owning no rows."""
+    torch.manual_seed(5)
+    model = QNet()
+    unit_index = torch.tensor([0, 0, 2, 2, 3, 3, 6, 6])
+    batch = _batch(len(unit_index), seed=8)
+    want = _reference(model, batch, unit_index, 7, 0.4)
+    engine = DPSGDEngine(model, max_grad_norm=0.4, noise_multiplier=0.0, expected_batch_size=1.0,
+                         noise=NoiseSource(0), mode=mode)
+    engine.private_backward(model.row_losses(*batch), unit_index, 7)
+    for w, p in zip(want, [p for p in model.parameters() if p.requires_grad]):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)

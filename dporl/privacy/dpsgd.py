@@ -78,34 +78,59 @@ class _LinearTape:
         self.records.clear()
 
 
-def _unit_layout(unit_index: torch.Tensor, n_units: int):
-    """Padded layout of rows per unit: (rows sorted by unit, their slot within the unit, kmax)."""
-    counts = torch.bincount(unit_index, minlength=n_units)
-    order = torch.argsort(unit_index, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(len(order), device=unit_index.device) - starts[unit_index[order]]
-    return order, slot, int(counts.max()) if len(counts) else 0
+@dataclass(frozen=True)
+class _UnitLayout:
+    """How rows map onto units: ``kmax`` rows at most per unit, and a cheap path when rows come in blocks.
+
+    Samplers emit the rows of a unit contiguously and, with ``rows_per_unit`` set, in equal blocks; then a
+    reshape groups them. Otherwise rows are scattered into a zero-padded [n_units, kmax, ...] tensor.
+    """
+
+    unit_index: torch.Tensor
+    n_units: int
+    kmax: int
+    block_units: Optional[torch.Tensor]  # unit of each contiguous block of kmax rows, when that layout holds
+    order: Optional[torch.Tensor] = None
+    slot: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def build(unit_index: torch.Tensor, counts: torch.Tensor) -> "_UnitLayout":
+        n_units = len(counts)
+        kmax = int(counts.max()) if n_units else 0
+        if kmax <= 1:
+            return _UnitLayout(unit_index, n_units, kmax, unit_index)
+        present = counts[counts > 0]
+        blocks = unit_index[::kmax]
+        if bool((present == kmax).all()) and torch.equal(unit_index, blocks.repeat_interleave(kmax)):
+            return _UnitLayout(unit_index, n_units, kmax, blocks)
+        order = torch.argsort(unit_index, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(order), device=unit_index.device) - starts[unit_index[order]]
+        return _UnitLayout(unit_index, n_units, kmax, None, order, slot)
+
+    def group(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows [R, (T,) d] -> [groups, kmax * T, d]; groups are blocks (see ``to_units``) or all units."""
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        steps, width = x.shape[1], x.shape[2]
+        if self.block_units is not None:
+            return x.reshape(-1, max(self.kmax, 1) * steps, width)
+        out = x.new_zeros(self.n_units, self.kmax, steps, width)
+        out[self.unit_index[self.order], self.slot] = x[self.order]
+        return out.reshape(self.n_units, self.kmax * steps, width)
+
+    def to_units(self, per_group: torch.Tensor) -> torch.Tensor:
+        if self.block_units is None:
+            return per_group
+        return per_group.new_zeros(self.n_units).index_add_(0, self.block_units, per_group)
 
 
-def _padded(x: torch.Tensor, unit_index: torch.Tensor, layout, n_units: int) -> torch.Tensor:
-    """Rows [R, (T,) d] -> [n_units, kmax * T, d] with zeros in the unused slots."""
-    order, slot, kmax = layout
-    x = x.reshape(x.shape[0], -1, x.shape[-1])  # [R, T, d]
-    steps = x.shape[1]
-    out = x.new_zeros(n_units, kmax, steps, x.shape[-1])
-    out[unit_index[order], slot] = x[order]
-    return out.reshape(n_units, kmax * steps, x.shape[-1])
-
-
-def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, unit_index, n_units, layout, has_bias: bool) -> torch.Tensor:
+def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_bias: bool) -> torch.Tensor:
     """Squared norms [n_units] of each unit's gradient of one Linear layer, from inputs a and output grads g."""
-    single = layout[2] <= 1 and a.dim() == 2
-    if single:
-        sq = (g * g).sum(1) * (a * a).sum(1)
-        if has_bias:
-            sq = sq + (g * g).sum(1)
-        return torch.zeros(n_units, dtype=sq.dtype, device=sq.device).index_add_(0, unit_index, sq)
-    pa, pg = _padded(a, unit_index, layout, n_units), _padded(g, unit_index, layout, n_units)
+    if layout.kmax <= 1 and a.dim() == 2:
+        g_sq = (g * g).sum(1)
+        sq = g_sq * (a * a).sum(1) + (g_sq if has_bias else 0.0)
+        return layout.to_units(sq)
+    pa, pg = layout.group(a), layout.group(g)
     k, d_in, d_out = pa.shape[1], pa.shape[2], pg.shape[2]
     if k * (d_in + d_out) < d_in * d_out:  # Gram products are cheaper than forming the unit gradients
         sq = ((pg @ pg.transpose(1, 2)) * (pa @ pa.transpose(1, 2))).sum((1, 2))
@@ -113,7 +138,7 @@ def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, unit_index, n_units, layou
         sq = torch.einsum("uko,uki->uoi", pg, pa).pow(2).sum((1, 2))
     if has_bias:
         sq = sq + pg.sum(1).pow(2).sum(1)
-    return sq
+    return layout.to_units(sq)
 
 
 def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
@@ -177,14 +202,14 @@ class DPSGDEngine:
             self._clear_grad_samples()
             sums = [torch.zeros_like(p) for p in self.params]
             return self._finish(sums, torch.zeros(n_units))
-        counts = torch.bincount(unit_index, minlength=n_units).clamp_min(1)
+        counts = torch.bincount(unit_index, minlength=n_units)
         weights = 1.0 / counts[unit_index].to(row_losses.dtype)  # the unit's loss is the mean over its rows
         if self.mode == "naive":
             sums, norms = self._naive(row_losses, unit_index, n_units, weights)
         elif self.mode == "opacus":
             sums, norms = self._opacus(row_losses, unit_index, n_units, weights)
         else:
-            sums, norms = self._ghost(row_losses, unit_index, n_units, weights, second_pass=self.mode == "ghost")
+            sums, norms = self._ghost(row_losses, unit_index, counts, weights, second_pass=self.mode == "ghost")
         return self._finish(sums, norms)
 
     def private_direction(self, unit_vectors: torch.Tensor) -> torch.Tensor:
@@ -223,21 +248,22 @@ class DPSGDEngine:
         )
 
     def _finish(self, sums: Sequence[torch.Tensor], norms: torch.Tensor) -> StepStats:
-        for p, s in zip(self.params, sums):
-            noisy = s + self.noise.gaussian(p.shape, self.noise_std, dtype=p.dtype).to(p.device)
-            p.grad = noisy / self.expected_batch_size
+        flat = torch.cat([s.reshape(-1) for s in sums])
+        flat += self.noise.gaussian(flat.shape, self.noise_std, dtype=flat.dtype).to(flat.device)
+        write_flat_gradients(self.params, flat.div_(self.expected_batch_size))
         self.last_stats = self._stats(norms.detach().cpu())
         return self.last_stats
 
-    def _ghost(self, row_losses, unit_index, n_units, weights, second_pass: bool):
+    def _ghost(self, row_losses, unit_index, counts, weights, second_pass: bool):
+        n_units = len(counts)
         records = self._tape.take()
         live = [(layer, a, out) for layer, a, out in records if out is not None]
         weighted = (row_losses * weights).sum()
         grads = torch.autograd.grad(weighted, [out for _, _, out in live], retain_graph=second_pass)
-        layout = _unit_layout(unit_index, n_units)
-        sq = torch.zeros(n_units, dtype=torch.float64, device=row_losses.device)
+        layout = _UnitLayout.build(unit_index, counts)
+        sq = torch.zeros(n_units, dtype=row_losses.dtype, device=row_losses.device)
         for (layer, a, _), g in zip(live, grads):
-            sq += _ghost_sq_norms(a, g, unit_index, n_units, layout, layer.bias is not None).double()
+            sq += _ghost_sq_norms(a, g, layout, layer.bias is not None)
         norms = sq.sqrt()
         factors = self._clip_factors(norms).to(row_losses.dtype)
         row_factor = factors[unit_index]

@@ -1,0 +1,116 @@
+"""Discrete Conservative Q-Learning (Kumar et al. 2020, the DQN form used by the expert-level paper).
+
+Per transition (s, a, r, s', done):
+
+    td_i  = loss(Q(s, a), r + gamma (1 - done) max_a' Q_target(s', a'))      (DQN target)
+          or with a' = argmax_a' Q(s', a') evaluated by Q_target            (double DQN)
+    cql_i = logsumexp_a Q(s, a) - Q(s, a)
+    row_loss_i = td_i + alpha * cql_i
+
+Losses are returned per transition so that the DP-SGD engine can average them per privacy unit and clip per
+unit. The Q-network is evaluated once with gradients (on s); every other forward pass (targets, the double-DQN
+argmax) runs under no_grad, so per-unit gradients come from one forward/backward. There is no batch norm (it
+mixes examples across units). The target network is a deterministic function of past iterates: post-processing.
+
+Defaults follow the paper (DQN target, 2 x 256 ReLU MLP); Huber TD loss is the DQN convention and is
+bounded in slope, which keeps per-unit gradients small relative to the clip norm; MSE is available.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+
+@dataclass
+class CQLConfig:
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
+    gamma: float = 0.99
+    alpha: float = 1.0  # weight of the conservative term; 0 gives plain (double) DQN
+    td_loss: Literal["huber", "mse"] = "huber"
+    target: Literal["dqn", "double_dqn"] = "dqn"
+    target_update_every: int = 500  # hard copy every this many steps, unless tau is set
+    tau: Optional[float] = None  # Polyak averaging factor per step (soft updates)
+
+    def __post_init__(self) -> None:
+        check_probability("cql.gamma", self.gamma)
+        check_positive("cql.alpha", self.alpha, allow_zero=True)
+        if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
+            raise ValidationError("cql.hidden_sizes", f"need positive layer sizes, got {self.hidden_sizes}")
+        if self.target_update_every < 1:
+            raise ValidationError("cql.target_update_every", f"must be >= 1, got {self.target_update_every}")
+        if self.tau is not None:
+            check_probability("cql.tau", self.tau, allow_zero=False)
+
+
+def mlp(in_dim: int, hidden_sizes: list[int], out_dim: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for width in hidden_sizes:
+        layers += [nn.Linear(in_dim, width), nn.ReLU()]
+        in_dim = width
+    layers.append(nn.Linear(in_dim, out_dim))
+    return nn.Sequential(*layers)
+
+
+class DiscreteCQL(nn.Module):
+    """Q-network + target network; ``row_losses`` reads batch keys obs, actions, rewards, next_obs, terminated."""
+
+    def __init__(self, obs_dim: int, n_actions: int, config: CQLConfig, privacy_unit: str = "expert"):
+        super().__init__()
+        if obs_dim < 1 or n_actions < 2:
+            raise ValidationError("cql", f"need obs_dim >= 1 and n_actions >= 2, got {obs_dim}, {n_actions}")
+        self.config = config
+        self.obs_dim = obs_dim
+        self.n_actions = n_actions
+        self.privacy_unit = privacy_unit
+        self.q_network = mlp(obs_dim, config.hidden_sizes, n_actions)
+        self.target_network = copy.deepcopy(self.q_network)
+        self.target_network.requires_grad_(False)
+
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q_network(obs)
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        """Greedy actions [B] for observations [B, obs_dim]."""
+        return self.q_network(obs.to(self._device())).argmax(dim=-1)
+
+    def row_losses(self, batch) -> torch.Tensor:
+        data = batch.data
+        obs, actions = data["obs"], data["actions"].long()
+        q_all = self.q_network(obs)
+        q_taken = q_all.gather(1, actions.unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            next_obs = data["next_obs"]
+            target_q = self.target_network(next_obs)
+            if self.config.target == "double_dqn":
+                best = self.q_network(next_obs).argmax(dim=1, keepdim=True)
+                next_value = target_q.gather(1, best).squeeze(1)
+            else:
+                next_value = target_q.max(dim=1).values
+            not_done = 1.0 - data["terminated"].float()
+            y = data["rewards"].float() + self.config.gamma * not_done * next_value
+        if self.config.td_loss == "huber":
+            td = F.smooth_l1_loss(q_taken, y, reduction="none")
+        else:
+            td = 0.5 * (q_taken - y) ** 2
+        conservative = torch.logsumexp(q_all, dim=1) - q_taken
+        return td + self.config.alpha * conservative
+
+    @torch.no_grad()
+    def on_step_end(self, step: int) -> None:
+        if self.config.tau is not None:
+            for target, online in zip(self.target_network.parameters(), self.q_network.parameters()):
+                target.lerp_(online, self.config.tau)
+        elif step % self.config.target_update_every == 0:
+            self.target_network.load_state_dict(self.q_network.state_dict())
+
+    def _device(self) -> torch.device:
+        return next(self.q_network.parameters()).device
