@@ -25,6 +25,9 @@ _REGISTRY: dict[str, Pipeline] = {}
 # Pipelines register themselves on import; this maps each name to its module so train.py imports only what it runs.
 _MODULES = {
     "dataset": "dporl.pipelines.dataset",
+    "expert_cql": "dporl.pipelines.expert_cql",
+    "ope": "dporl.pipelines.ope",
+    "fnq": "dporl.pipelines.fnq",
 }
 
 
