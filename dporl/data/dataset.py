@@ -1,0 +1,698 @@
+"""Logged decision data: ``TrajectoryDataset``, its validation, its views and its on-disk format.
+
+Layout (fixed by docs/design.md). Episodes are stored back to back in flat numpy arrays. Episode ``e`` owns
+transitions ``[tstart[e], tstart[e] + len[e])`` and observations ``[tstart[e] + e, tstart[e] + e + len[e] + 1)``
+(``len[e] + 1`` observations: the state before every action plus the state after the last one), where
+``tstart = cumsum(episode_lengths) - episode_lengths``.
+
+On-disk format (``save`` / ``load``): ONE uncompressed ``.npz`` archive (a zip of ``.npy`` arrays; no pickles)
+written atomically, holding exactly these members::
+
+    format_version       int64 scalar, currently 1 (readers refuse any other value)
+    metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_experts, obs_shape,
+                         env_params, p_min, seed, expert_set, extra)
+    observations         float32 [n_transitions + n_episodes, *obs_shape]
+    actions              int64   [n_transitions], in [0, n_actions)
+    rewards              float32 [n_transitions]
+    terminations         bool    [n_transitions]   only an episode's last step may be True ...
+    truncations          bool    [n_transitions]   ... and that step has at least one of the two flags
+    episode_lengths      int64   [n_episodes], >= 1, summing to n_transitions
+    expert_ids           int64   [n_episodes], in [0, n_experts)
+    start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
+    behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
+
+Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, boundaries, metadata types) and raises
+``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
+
+Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``_ranges``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dporl.utils.io import atomic_write
+from dporl.utils.validation import ValidationError, check_finite, check_int_range
+
+FORMAT_VERSION = 1
+
+_ARRAY_DTYPES = {
+    "observations": np.float32,
+    "actions": np.int64,
+    "rewards": np.float32,
+    "terminations": np.bool_,
+    "truncations": np.bool_,
+    "episode_lengths": np.int64,
+    "expert_ids": np.int64,
+    "start_steps": np.int64,
+    "behavior_log_probs": np.float32,
+}
+_OPTIONAL_ARRAYS = {"behavior_log_probs"}
+_ARCHIVE_KEYS = {"format_version", "metadata", *_ARRAY_DTYPES}
+
+
+def _json_safe(field_name: str, value: Any) -> Any:
+    """Normalise ``value`` to what a JSON round trip returns (lists, not tuples) so save/load is exact."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(field_name, f"must be JSON-serialisable with finite numbers: {exc}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class DatasetMetadata:
+    """What a dataset needs to be interpreted: where it was logged, by how many experts, under which p_min."""
+
+    env_id: str
+    n_actions: int
+    n_experts: int
+    obs_shape: tuple[int, ...]
+    env_params: dict = field(default_factory=dict)  # physics parameters of the logging env
+    p_min: Optional[float] = None  # every expert put at least this probability on every action
+    seed: Optional[int] = None
+    expert_set: Optional[dict] = None  # reference to the expert set (path, family, hash, ...)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.env_id, str) or not self.env_id:
+            raise ValidationError("metadata.env_id", f"expected a non-empty string, got {self.env_id!r}")
+        for name in ("n_actions", "n_experts"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValidationError(f"metadata.{name}", f"expected an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        shape = self.obs_shape
+        if not isinstance(shape, (tuple, list)) or not all(_is_int(d) and d >= 1 for d in shape):
+            raise ValidationError("metadata.obs_shape", f"expected a tuple of integers >= 1, got {shape!r}")
+        object.__setattr__(self, "obs_shape", tuple(int(d) for d in shape))
+        if self.p_min is not None:
+            if isinstance(self.p_min, bool) or not isinstance(self.p_min, (int, float, np.floating)):
+                raise ValidationError("metadata.p_min", f"expected a number or null, got {self.p_min!r}")
+            p_min = float(self.p_min)
+            # p_min = 1/n_A is the uniform policy; anything above it cannot hold for every action.
+            if not (0.0 < p_min <= 1.0 / self.n_actions) or math.isnan(p_min):
+                raise ValidationError(
+                    "metadata.p_min", f"must lie in (0, 1/n_actions] = (0, {1.0 / self.n_actions:.6g}], got {p_min!r}"
+                )
+            object.__setattr__(self, "p_min", p_min)
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ValidationError("metadata.seed", f"expected an integer or null, got {self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
+        for name in ("env_params", "extra"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValidationError(f"metadata.{name}", f"expected a mapping, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, _json_safe(f"metadata.{name}", dict(getattr(self, name))))
+        if self.expert_set is not None:
+            if not isinstance(self.expert_set, Mapping):
+                raise ValidationError("metadata.expert_set", f"expected a mapping or null, got {self.expert_set!r}")
+            object.__setattr__(self, "expert_set", _json_safe("metadata.expert_set", dict(self.expert_set)))
+
+    def to_dict(self) -> dict:
+        payload = asdict(self)
+        payload["obs_shape"] = list(self.obs_shape)
+        return payload
+
+    @classmethod
+    def from_dict(cls, payload: Any) -> "DatasetMetadata":
+        if not isinstance(payload, Mapping):
+            raise ValidationError("metadata", f"expected a JSON object, got {type(payload).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(payload) - names)
+        if unknown:
+            raise ValidationError(f"metadata.{unknown[0]}", f"unknown key (valid keys: {', '.join(sorted(names))})")
+        missing = sorted(f.name for f in fields(cls) if f.name not in payload and f.name in _REQUIRED_METADATA)
+        if missing:
+            raise ValidationError(f"metadata.{missing[0]}", "missing")
+        return cls(**payload)
+
+
+_REQUIRED_METADATA = {"env_id", "n_actions", "n_experts", "obs_shape"}
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """Flat per-transition view (numpy). ``timesteps`` is the index in the original episode (fragments keep it)."""
+
+    obs: np.ndarray
+    actions: np.ndarray
+    rewards: np.ndarray
+    next_obs: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    expert_ids: np.ndarray
+    episode_ids: np.ndarray
+    timesteps: np.ndarray
+    behavior_log_probs: Optional[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def to_torch(self) -> dict[str, torch.Tensor]:
+        """Tensors sharing memory with the arrays; ``behavior_log_probs`` is absent when not logged."""
+        return {
+            f.name: torch.from_numpy(getattr(self, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+
+@dataclass(frozen=True)
+class PaddedTrajectories:
+    """Episodes padded to the longest one (torch). Positions past an episode's end are zero and ``mask`` False.
+
+    Padded log-probabilities are 0 (log 1), so sums of masked log-ratios need no extra masking.
+    """
+
+    observations: torch.Tensor  # [N, L+1, *obs]
+    actions: torch.Tensor  # [N, L] int64
+    rewards: torch.Tensor  # [N, L]
+    mask: torch.Tensor  # [N, L] bool: True on real transitions
+    lengths: torch.Tensor  # [N] int64
+    terminated: torch.Tensor  # [N] bool: the episode's last step is a termination
+    truncated: torch.Tensor  # [N] bool
+    expert_ids: torch.Tensor  # [N] int64
+    start_steps: torch.Tensor  # [N] int64
+    behavior_log_probs: Optional[torch.Tensor]  # [N, L] or None when not logged
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _as_typed(field_name: str, value: Any, dtype: type, kinds: str) -> np.ndarray:
+    """``value`` as a numpy array of ``dtype``; only arrays whose dtype kind is in ``kinds`` are converted."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind not in kinds:
+        raise ValidationError(field_name, f"expected dtype {np.dtype(dtype).name}, got {array.dtype}")
+    if array.dtype.kind in "iu" and dtype is np.float32:
+        return array.astype(dtype)
+    if array.dtype.kind == "f" and dtype is np.float32 and array.dtype != np.float32:
+        check_finite(field_name, array)  # before narrowing, so the error names NaN rather than an overflow
+    with np.errstate(over="ignore"):  # values beyond float32 become inf, which validation then reports
+        return np.ascontiguousarray(array, dtype=dtype)
+
+
+class TrajectoryDataset:
+    """Episodes logged by a pool of experts, in the flat layout above. Validated on construction."""
+
+    def __init__(
+        self,
+        *,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        terminations: Any,
+        truncations: Any,
+        episode_lengths: Any,
+        expert_ids: Any,
+        metadata: DatasetMetadata,
+        start_steps: Any = None,
+        behavior_log_probs: Any = None,
+    ):
+        if not isinstance(metadata, DatasetMetadata):
+            raise ValidationError("metadata", f"expected DatasetMetadata, got {type(metadata).__name__}")
+        self.metadata = metadata
+        self.observations = _as_typed("observations", observations, np.float32, "fiu")
+        self.actions = _as_typed("actions", actions, np.int64, "iu")
+        self.rewards = _as_typed("rewards", rewards, np.float32, "fiu")
+        self.terminations = _as_typed("terminations", terminations, np.bool_, "b")
+        self.truncations = _as_typed("truncations", truncations, np.bool_, "b")
+        self.episode_lengths = _as_typed("episode_lengths", episode_lengths, np.int64, "iu")
+        self.expert_ids = _as_typed("expert_ids", expert_ids, np.int64, "iu")
+        if start_steps is None:
+            start_steps = np.zeros(self.episode_lengths.shape, dtype=np.int64)
+        self.start_steps = _as_typed("start_steps", start_steps, np.int64, "iu")
+        self.behavior_log_probs = (
+            None
+            if behavior_log_probs is None
+            else _as_typed("behavior_log_probs", behavior_log_probs, np.float32, "f")
+        )
+        self._validate()
+        self._transition_starts = np.cumsum(self.episode_lengths) - self.episode_lengths
+        self._observation_starts = self._transition_starts + np.arange(self.n_episodes, dtype=np.int64)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        meta = self.metadata
+        for name in ("episode_lengths", "expert_ids", "start_steps"):
+            if getattr(self, name).ndim != 1:
+                raise ValidationError(name, f"expected a 1-D array, got shape {getattr(self, name).shape}")
+        n_episodes = len(self.episode_lengths)
+        for name in ("expert_ids", "start_steps"):
+            if len(getattr(self, name)) != n_episodes:
+                raise ValidationError(
+                    name, f"expected one entry per episode ({n_episodes}), got {len(getattr(self, name))}"
+                )
+        if n_episodes and self.episode_lengths.min() < 1:
+            bad = int(np.argmin(self.episode_lengths))
+            raise ValidationError("episode_lengths", f"every episode needs >= 1 transition; episode {bad} has "
+                                  f"{int(self.episode_lengths[bad])}")
+        n_transitions = int(self.episode_lengths.sum())
+        per_transition = ["actions", "rewards", "terminations", "truncations"]
+        if self.behavior_log_probs is not None:
+            per_transition.append("behavior_log_probs")
+        for name in per_transition:
+            shape = getattr(self, name).shape
+            if shape != (n_transitions,):
+                raise ValidationError(
+                    name, f"expected shape ({n_transitions},) (sum of episode_lengths), got {shape}"
+                )
+        expected_obs = (n_transitions + n_episodes, *meta.obs_shape)
+        if self.observations.shape != expected_obs:
+            raise ValidationError(
+                "observations",
+                f"expected shape {expected_obs} (n_transitions + n_episodes observations of metadata.obs_shape), "
+                f"got {self.observations.shape}",
+            )
+        check_finite("observations", self.observations)
+        check_finite("rewards", self.rewards)
+        check_int_range("actions", self.actions, 0, meta.n_actions)
+        check_int_range("expert_ids", self.expert_ids, 0, meta.n_experts)
+        if n_episodes and self.start_steps.min() < 0:
+            raise ValidationError("start_steps", f"must be >= 0, found {int(self.start_steps.min())}")
+        if self.behavior_log_probs is not None:
+            check_finite("behavior_log_probs", self.behavior_log_probs)
+            if n_transitions and self.behavior_log_probs.max() > 0:
+                raise ValidationError(
+                    "behavior_log_probs", f"log-probabilities must be <= 0, found {float(self.behavior_log_probs.max())}"
+                )
+        self._validate_boundaries(n_transitions)
+
+    def _validate_boundaries(self, n_transitions: int) -> None:
+        last = np.cumsum(self.episode_lengths) - 1
+        is_last = np.zeros(n_transitions, dtype=bool)
+        is_last[last] = True
+        for name in ("terminations", "truncations"):
+            inside = np.flatnonzero(getattr(self, name) & ~is_last)
+            if len(inside):
+                episode = int(np.searchsorted(last, inside[0]))
+                raise ValidationError(
+                    name, f"transition {int(inside[0])} (inside episode {episode}) is flagged but is not the "
+                    "episode's last step; only an episode's last step may end it"
+                )
+        open_ended = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
+        if len(open_ended):
+            raise ValidationError(
+                "terminations",
+                f"episode {int(open_ended[0])} ends without being terminated or truncated "
+                f"({len(open_ended)} such episode(s)); mark cut-off episodes truncated",
+            )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_episodes(cls, episodes: Sequence[Mapping], metadata: DatasetMetadata) -> "TrajectoryDataset":
+        """Build from per-episode dicts: observations [L+1, *obs], actions [L], rewards [L], terminated, truncated,
+        expert_id, optional behavior_log_probs [L] (all or none) and start_step."""
+        episodes = list(episodes)
+        with_log_probs = [e.get("behavior_log_probs") is not None for e in episodes]
+        if any(with_log_probs) and not all(with_log_probs):
+            first = with_log_probs.index(not with_log_probs[0])
+            raise ValidationError(f"episodes[{first}].behavior_log_probs", "either every episode has them or none")
+        lengths = np.zeros(len(episodes), dtype=np.int64)
+        for i, episode in enumerate(episodes):
+            for key in ("observations", "actions", "rewards", "terminated", "truncated", "expert_id"):
+                if key not in episode:
+                    raise ValidationError(f"episodes[{i}].{key}", "missing")
+            length = len(np.asarray(episode["actions"]))
+            if len(np.asarray(episode["observations"])) != length + 1:
+                raise ValidationError(
+                    f"episodes[{i}].observations", f"expected {length + 1} observations for {length} actions, got "
+                    f"{len(np.asarray(episode['observations']))}"
+                )
+            lengths[i] = length
+        flags = {}
+        for key in ("terminated", "truncated"):
+            values = np.zeros(int(lengths.sum()), dtype=bool)
+            values[np.cumsum(lengths)[lengths > 0] - 1] = [bool(e[key]) for e, n in zip(episodes, lengths) if n > 0]
+            flags[key] = values
+
+        def stack(key: str, empty_shape: tuple, dtype) -> np.ndarray:
+            if not episodes:
+                return np.zeros(empty_shape, dtype=dtype)
+            return np.concatenate([np.asarray(e[key]) for e in episodes])
+
+        obs_shape = metadata.obs_shape
+        return cls(
+            observations=stack("observations", (0, *obs_shape), np.float32),
+            actions=stack("actions", (0,), np.int64),
+            rewards=stack("rewards", (0,), np.float32),
+            terminations=flags["terminated"],
+            truncations=flags["truncated"],
+            episode_lengths=lengths,
+            expert_ids=np.array([e["expert_id"] for e in episodes], dtype=np.int64),
+            start_steps=np.array([e.get("start_step", 0) for e in episodes], dtype=np.int64),
+            behavior_log_probs=stack("behavior_log_probs", (0,), np.float32) if all(with_log_probs) and episodes
+            else None,
+            metadata=metadata,
+        )
+
+    # ------------------------------------------------------------------ basic accessors
+    @property
+    def n_episodes(self) -> int:
+        return len(self.episode_lengths)
+
+    @property
+    def n_transitions(self) -> int:
+        return len(self.actions)
+
+    def __len__(self) -> int:
+        return self.n_episodes
+
+    def __repr__(self) -> str:
+        return (
+            f"TrajectoryDataset(env_id={self.metadata.env_id!r}, episodes={self.n_episodes}, "
+            f"transitions={self.n_transitions}, experts={self.metadata.n_experts})"
+        )
+
+    def _check_episode_indices(self, field_name: str, indices: Any) -> np.ndarray:
+        array = _as_typed(field_name, indices, np.int64, "iu")
+        if array.ndim != 1:
+            raise ValidationError(field_name, f"expected a 1-D array of episode indices, got shape {array.shape}")
+        check_int_range(field_name, array, 0, self.n_episodes)
+        return array
+
+    def episode(self, i: int) -> dict:
+        """Episode ``i`` in the ``from_episodes`` format (arrays are copies)."""
+        index = int(self._check_episode_indices("episode", np.array([i]))[0])
+        t0, length, o0 = self._transition_starts[index], self.episode_lengths[index], self._observation_starts[index]
+        last = t0 + length - 1
+        result = {
+            "observations": self.observations[o0 : o0 + length + 1].copy(),
+            "actions": self.actions[t0 : t0 + length].copy(),
+            "rewards": self.rewards[t0 : t0 + length].copy(),
+            "terminated": bool(self.terminations[last]),
+            "truncated": bool(self.truncations[last]),
+            "expert_id": int(self.expert_ids[index]),
+            "start_step": int(self.start_steps[index]),
+        }
+        if self.behavior_log_probs is not None:
+            result["behavior_log_probs"] = self.behavior_log_probs[t0 : t0 + length].copy()
+        return result
+
+    def episode_observations_actions(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(observations [L+1, *obs], actions [L]) of episode ``i``: views into the storage, do not modify."""
+        index = int(self._check_episode_indices("episode", np.array([i]))[0])
+        t0, length, o0 = self._transition_starts[index], self.episode_lengths[index], self._observation_starts[index]
+        return self.observations[o0 : o0 + length + 1], self.actions[t0 : t0 + length]
+
+    # ------------------------------------------------------------------ views
+    def transitions(self) -> Transitions:
+        episode_ids = np.repeat(np.arange(self.n_episodes, dtype=np.int64), self.episode_lengths)
+        obs_index = np.arange(self.n_transitions, dtype=np.int64) + episode_ids  # skip one extra obs per episode
+        timesteps = (
+            np.arange(self.n_transitions, dtype=np.int64)
+            - self._transition_starts[episode_ids]
+            + self.start_steps[episode_ids]
+        )
+        return Transitions(
+            obs=self.observations[obs_index],
+            actions=self.actions.copy(),
+            rewards=self.rewards.copy(),
+            next_obs=self.observations[obs_index + 1],
+            terminated=self.terminations.copy(),
+            truncated=self.truncations.copy(),
+            expert_ids=self.expert_ids[episode_ids],
+            episode_ids=episode_ids,
+            timesteps=timesteps,
+            behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs.copy(),
+        )
+
+    def expert_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """Episodes grouped by expert (CSR): expert i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
+        dataset order."""
+        order = np.argsort(self.expert_ids, kind="stable").astype(np.int64)
+        counts = np.bincount(self.expert_ids, minlength=self.metadata.n_experts)
+        offsets = np.zeros(self.metadata.n_experts + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return order, offsets
+
+    def padded(self, episode_indices: Any = None) -> PaddedTrajectories:
+        """The selected episodes (default: all, in order) padded to the longest selected one."""
+        if episode_indices is None:
+            indices = np.arange(self.n_episodes, dtype=np.int64)
+        else:
+            indices = self._check_episode_indices("episode_indices", episode_indices)
+        lengths = self.episode_lengths[indices]
+        n, width = len(indices), int(lengths.max()) if len(indices) else 0
+        rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
+        cols = _ranges(np.zeros(n, dtype=np.int64), lengths)
+        flat = _ranges(self._transition_starts[indices], lengths)
+        obs_rows = np.repeat(np.arange(n, dtype=np.int64), lengths + 1)
+        obs_cols = _ranges(np.zeros(n, dtype=np.int64), lengths + 1)
+        obs_flat = _ranges(self._observation_starts[indices], lengths + 1)
+
+        def scatter(values: np.ndarray, dtype) -> torch.Tensor:
+            out = np.zeros((n, width), dtype=dtype)
+            out[rows, cols] = values[flat]
+            return torch.from_numpy(out)
+
+        observations = np.zeros((n, width + 1, *self.metadata.obs_shape), dtype=np.float32)
+        observations[obs_rows, obs_cols] = self.observations[obs_flat]
+        mask = np.zeros((n, width), dtype=bool)
+        mask[rows, cols] = True
+        last = self._transition_starts[indices] + lengths - 1
+        return PaddedTrajectories(
+            observations=torch.from_numpy(observations),
+            actions=scatter(self.actions, np.int64),
+            rewards=scatter(self.rewards, np.float32),
+            mask=torch.from_numpy(mask),
+            lengths=torch.from_numpy(lengths.copy()),
+            terminated=torch.from_numpy(self.terminations[last]),
+            truncated=torch.from_numpy(self.truncations[last]),
+            expert_ids=torch.from_numpy(self.expert_ids[indices]),
+            start_steps=torch.from_numpy(self.start_steps[indices]),
+            behavior_log_probs=None if self.behavior_log_probs is None else scatter(self.behavior_log_probs, np.float32),
+        )
+
+    def fragments(self, episode_ids: Any, starts: Any, ends: Any) -> "TrajectoryDataset":
+        """Transitions ``[starts[j], ends[j])`` of episode ``episode_ids[j]``, one new episode per entry.
+
+        Needs ``0 <= start < end <= length`` (an empty fragment is not an episode: filter those out first).
+        A fragment that stops before its episode's end is truncated (terminated=False, truncated=True); one that
+        reaches the end keeps the episode's flags. ``start_steps`` shift by ``starts`` so time indices survive.
+        """
+        ids = self._check_episode_indices("episode_ids", episode_ids)
+        starts = _as_typed("starts", starts, np.int64, "iu")
+        ends = _as_typed("ends", ends, np.int64, "iu")
+        for name, array in (("starts", starts), ("ends", ends)):
+            if array.shape != ids.shape:
+                raise ValidationError(name, f"expected shape {ids.shape} (one per episode id), got {array.shape}")
+        full_lengths = self.episode_lengths[ids]
+        if len(ids) and starts.min() < 0:
+            raise ValidationError("starts", f"must be >= 0, found {int(starts.min())}")
+        bad = np.flatnonzero(ends <= starts)
+        if len(bad):
+            j = int(bad[0])
+            raise ValidationError(
+                "ends", f"fragment {j} is empty (start {int(starts[j])}, end {int(ends[j])}); fragments need end > start"
+            )
+        bad = np.flatnonzero(ends > full_lengths)
+        if len(bad):
+            j = int(bad[0])
+            raise ValidationError(
+                "ends", f"fragment {j} ends at {int(ends[j])} past episode {int(ids[j])}'s length {int(full_lengths[j])}"
+            )
+        lengths = ends - starts
+        flat = _ranges(self._transition_starts[ids] + starts, lengths)
+        obs_flat = _ranges(self._observation_starts[ids] + starts, lengths + 1)
+        reaches_end = ends == full_lengths
+        new_last = np.cumsum(lengths) - 1
+        terminations = self.terminations[flat]
+        truncations = self.truncations[flat]
+        # A fragment cut before the episode's end did not terminate: it was truncated by the cut.
+        terminations[new_last[~reaches_end]] = False
+        truncations[new_last[~reaches_end]] = True
+        return TrajectoryDataset(
+            observations=self.observations[obs_flat],
+            actions=self.actions[flat],
+            rewards=self.rewards[flat],
+            terminations=terminations,
+            truncations=truncations,
+            episode_lengths=lengths,
+            expert_ids=self.expert_ids[ids],
+            start_steps=self.start_steps[ids] + starts,
+            behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs[flat],
+            metadata=self.metadata,
+        )
+
+    def subset(self, episode_indices: Any) -> "TrajectoryDataset":
+        """The listed episodes, whole, in the given order (repeats allowed, e.g. for bootstrapping)."""
+        ids = self._check_episode_indices("episode_indices", episode_indices)
+        return self.fragments(ids, np.zeros_like(ids), self.episode_lengths[ids])
+
+    @classmethod
+    def concatenate(cls, datasets: Sequence["TrajectoryDataset"]) -> "TrajectoryDataset":
+        """Episodes of every dataset, in order. Metadata must be identical; behaviour log-probs kept only if all
+        datasets have them (otherwise an error: silently dropping them would change what OPE can compute)."""
+        datasets = list(datasets)
+        if not datasets:
+            raise ValidationError("datasets", "need at least one dataset to concatenate")
+        metadata = datasets[0].metadata
+        for i, other in enumerate(datasets[1:], start=1):
+            if other.metadata != metadata:
+                raise ValidationError(f"datasets[{i}].metadata", "differs from datasets[0].metadata")
+        with_log_probs = [d.behavior_log_probs is not None for d in datasets]
+        if any(with_log_probs) and not all(with_log_probs):
+            raise ValidationError(
+                f"datasets[{with_log_probs.index(False)}].behavior_log_probs",
+                "missing while other datasets have them",
+            )
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(d, name) for d in datasets])
+
+        return cls(
+            observations=cat("observations"),
+            actions=cat("actions"),
+            rewards=cat("rewards"),
+            terminations=cat("terminations"),
+            truncations=cat("truncations"),
+            episode_lengths=cat("episode_lengths"),
+            expert_ids=cat("expert_ids"),
+            start_steps=cat("start_steps"),
+            behavior_log_probs=cat("behavior_log_probs") if all(with_log_probs) else None,
+            metadata=metadata,
+        )
+
+    def with_identities_removed(self, metadata: DatasetMetadata) -> "TrajectoryDataset":
+        """Same episodes, every expert id 0 and no behaviour log-probs (both identify the logging expert)."""
+        return TrajectoryDataset(
+            observations=self.observations,
+            actions=self.actions,
+            rewards=self.rewards,
+            terminations=self.terminations,
+            truncations=self.truncations,
+            episode_lengths=self.episode_lengths,
+            expert_ids=np.zeros(self.n_episodes, dtype=np.int64),
+            start_steps=self.start_steps,
+            metadata=metadata,
+        )
+
+    def episode_returns(self) -> np.ndarray:
+        """Undiscounted return of every episode [n_episodes] (float64)."""
+        episode_ids = np.repeat(np.arange(self.n_episodes), self.episode_lengths)
+        return np.bincount(episode_ids, weights=self.rewards.astype(np.float64), minlength=self.n_episodes)
+
+    def summary(self) -> dict:
+        """JSON-safe overview: counts, episodes per expert, returns, lengths, action histogram, end flags."""
+
+        def stats(values: np.ndarray) -> dict:
+            if len(values) == 0:
+                return {"min": None, "mean": None, "max": None, "std": None}
+            values = np.asarray(values, dtype=np.float64)
+            return {
+                "min": float(values.min()),
+                "mean": float(values.mean()),
+                "max": float(values.max()),
+                "std": float(values.std()),
+            }
+
+        per_expert = np.bincount(self.expert_ids, minlength=self.metadata.n_experts)
+        last = self._transition_starts + self.episode_lengths - 1
+        return {
+            "env_id": self.metadata.env_id,
+            "n_episodes": self.n_episodes,
+            "n_transitions": self.n_transitions,
+            "n_experts": self.metadata.n_experts,
+            "experts_with_episodes": int(np.count_nonzero(per_expert)),
+            "episodes_per_expert": {k: v for k, v in stats(per_expert).items() if k != "std"},
+            "episode_return": stats(self.episode_returns()),
+            "episode_length": stats(self.episode_lengths),
+            "action_counts": np.bincount(self.actions, minlength=self.metadata.n_actions).tolist(),
+            "terminated_episodes": int(self.terminations[last].sum()),
+            "truncated_episodes": int(self.truncations[last].sum()),
+            "has_behavior_log_probs": self.behavior_log_probs is not None,
+            "p_min": self.metadata.p_min,
+        }
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the whole dataset as one ``.npz`` (format in the module docstring), atomically."""
+        arrays = {name: getattr(self, name) for name in _ARRAY_DTYPES}
+        if arrays["behavior_log_probs"] is None:
+            del arrays["behavior_log_probs"]
+        payload = {
+            "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
+            "metadata": np.array(json.dumps(self.metadata.to_dict(), sort_keys=True)),
+            **arrays,
+        }
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as handle:  # a file handle: np.savez must not append its own ".npz"
+                np.savez(handle, **payload)
+
+        return atomic_write(path, write, suffix=".npz")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TrajectoryDataset":
+        """Read and fully validate a dataset written by ``save``."""
+        contents = _read_archive(Path(path))
+        version = contents.pop("format_version")
+        if version.shape != () or version.dtype.kind not in "iu":
+            raise ValidationError("format_version", f"expected an integer scalar, got {version.dtype} {version.shape}")
+        if int(version) != FORMAT_VERSION:
+            raise ValidationError(
+                "format_version", f"file has version {int(version)}, this dporl reads version {FORMAT_VERSION}"
+            )
+        raw_meta = contents.pop("metadata")
+        if raw_meta.shape != () or raw_meta.dtype.kind != "U":
+            raise ValidationError("metadata", f"expected a JSON string scalar, got {raw_meta.dtype} {raw_meta.shape}")
+        try:
+            meta_dict = json.loads(str(raw_meta))
+        except json.JSONDecodeError as exc:
+            raise ValidationError("metadata", f"is not valid JSON: {exc}") from None
+        metadata = DatasetMetadata.from_dict(meta_dict)
+        for name, array in contents.items():
+            if array.dtype != _ARRAY_DTYPES[name]:
+                raise ValidationError(name, f"expected dtype {np.dtype(_ARRAY_DTYPES[name]).name}, got {array.dtype}")
+        return cls(metadata=metadata, **contents)
+
+
+def _read_archive(path: Path) -> dict[str, np.ndarray]:
+    """Every member of the archive as an array; any failure to read the container is a ValidationError."""
+    if not path.is_file():
+        raise ValidationError("path", f"no dataset file at {path}")
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except Exception as exc:  # zip/npy header errors, a pickle refused: a corrupt or foreign file
+        raise ValidationError("path", f"{path} is not a readable dporl dataset ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValidationError("path", f"{path} is a single .npy array, not a dporl dataset archive")
+    with archive:
+        keys = set(archive.files)
+        unexpected = sorted(keys - _ARCHIVE_KEYS)
+        if unexpected:
+            raise ValidationError(unexpected[0], f"unexpected member in {path} (is this a dporl dataset?)")
+        missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
+        if missing:
+            raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
+        for key in sorted(keys):
+            try:
+                arrays[key] = archive[key]
+            except Exception as exc:  # CRC, EOF, bad npy header, allocation: the member is corrupt
+                raise ValidationError(
+                    key, f"member of {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+                ) from exc
+    return arrays
