@@ -1,0 +1,127 @@
+"""GPOPE: gradient-perturbed off-policy evaluation (Xie, Thomas, Miklau 2019), i.e. private GTD2.
+
+The module holds (theta, w) and returns, per sampled trajectory i (the privacy unit), the primal-dual gradient
+
+    B_i(theta, w) = [ -A_i^T w ;  A_i theta + C_i w - b_i ]                       (length 2n)
+
+with A_i, b_i, C_i the per-trajectory averages of ``dporl.algos.lstd``. It is computed in O(tau n) without
+forming A_i or C_i (Phi, Phi' are the tau x n feature matrices of the trajectory, D = Phi - gamma Phi'):
+
+    A_i theta  = Phi^T (rho * (D theta)) / tau      A_i^T w = D^T (rho * (Phi w)) / tau
+    C_i w      = Phi^T (Phi w) / tau                b_i     = Phi^T (rho * r) / tau
+
+batched over padded trajectories. The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds
+N(0, sigma^2 h^2) and takes an SGD step [theta; w] -= beta * direction, which is GTD2. The module never adds
+noise. Sampling (Poisson over trajectories, or the paper's one trajectory per update) and its accounting belong
+to the batch source and the privacy layer; ``paper_lemma1_epsilon`` gives the paper's own figure for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dporl.algos.lstd import FeatureMap, TargetPolicy, TDTerms, td_terms
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+
+@dataclass
+class GPOPEConfig:
+    gamma: float = 0.99
+    dtype: str = "float32"  # "float64" for exact convergence checks
+
+    def __post_init__(self) -> None:
+        check_probability("gpope.gamma", self.gamma)
+        if self.dtype not in ("float32", "float64"):
+            raise ValidationError("gpope.dtype", f"must be float32 or float64, got {self.dtype!r}")
+
+
+class GPOPE(nn.Module):
+    """Linear value estimate V(s) = theta . phi(s) trained by (private) GTD2 on whole trajectories."""
+
+    privacy_unit = "trajectory"
+
+    def __init__(
+        self, features: FeatureMap, config: GPOPEConfig | None = None, target_policy: Optional[TargetPolicy] = None
+    ):
+        super().__init__()
+        self.config = config or GPOPEConfig()
+        n_features = getattr(features, "n_features", None)
+        if not isinstance(n_features, int) or n_features < 1:
+            raise ValidationError("features", "needs a positive integer attribute n_features")
+        dtype = getattr(torch, self.config.dtype)
+        self.theta = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # primal: value weights
+        self.w = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # dual (GTD2's auxiliary weights)
+        if isinstance(features, nn.Module):
+            features.requires_grad_(False)  # a frozen feature network is public and never trained here
+        self.features = features
+        self.target_policy = target_policy  # None: on-policy (rho = 1)
+
+    @property
+    def n_features(self) -> int:
+        return int(self.theta.shape[0])
+
+    def terms(self, data) -> TDTerms:
+        return td_terms(self.features, data, self.target_policy, dtype=self.theta.dtype)
+
+    def unit_directions(self, batch) -> torch.Tensor:
+        """[n_units, 2n]: the primal-dual gradient of each sampled trajectory (mean over its rows if several)."""
+        with torch.no_grad():
+            rows = primal_dual_gradients(self.terms(batch.data), self.theta, self.w, self.config.gamma)
+            units = torch.zeros(batch.n_units, rows.shape[1], dtype=rows.dtype)
+            units.index_add_(0, batch.unit_index, rows)
+            counts = torch.bincount(batch.unit_index, minlength=batch.n_units).clamp_min(1)
+            return units / counts.unsqueeze(1).to(rows.dtype)
+
+    def values(self, observations: torch.Tensor) -> torch.Tensor:
+        """V(s) = theta . phi(s) for observations [..., d]."""
+        with torch.no_grad():
+            return self.features(observations).to(self.theta.dtype) @ self.theta
+
+
+def primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, gamma: float) -> torch.Tensor:
+    """B_i(theta, w) for every trajectory in ``terms``: [N, 2n], O(N L n) (never forms A_i or C_i)."""
+    delta_phi = terms.phi - gamma * terms.phi_next  # [N, L, n]
+    inv_tau = (1.0 / terms.lengths).unsqueeze(1)  # [N, 1]
+    value_gap = delta_phi @ theta  # (phi_t - gamma phi_{t+1}) . theta  [N, L]
+    dual = terms.phi @ w  # phi_t . w  [N, L]
+    # A_i theta + C_i w - b_i = Phi^T (rho * (D theta) + Phi w - rho * r) / tau, one contraction.
+    dual_part = torch.einsum("nl,nli->ni", (terms.rho * (value_gap - terms.rewards) + dual * terms.mask) * inv_tau, terms.phi)
+    primal_part = -torch.einsum("nl,nli->ni", terms.rho * dual * inv_tau, delta_phi)  # -A_i^T w
+    return torch.cat([primal_part, dual_part], dim=1)
+
+
+def dense_primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reference B_i that forms A_i, b_i, C_i explicitly (O(N L n^2)); for tests and the benchmark baseline."""
+    delta_phi = terms.phi - gamma * terms.phi_next
+    scale = (terms.rho / terms.lengths.unsqueeze(1)).unsqueeze(-1)
+    A = torch.einsum("nli,nlj->nij", terms.phi * scale, delta_phi)
+    C = torch.einsum("nli,nlj->nij", terms.phi / terms.lengths.view(-1, 1, 1), terms.phi)
+    b = torch.einsum("nl,nli->ni", (terms.rho * terms.rewards) / terms.lengths.unsqueeze(1), terms.phi)
+    primal = -torch.einsum("nji,j->ni", A, w)
+    dual = torch.einsum("nij,j->ni", A, theta) + torch.einsum("nij,j->ni", C, w) - b
+    return torch.cat([primal, dual], dim=1)
+
+
+def paper_lemma1_epsilon(noise_multiplier: float, n_trajectories: int, steps: int, delta: float) -> float:
+    """The paper's figure for its one-trajectory-per-update mode (NOT dporl's guarantee for that mode).
+
+    Lemma 1 bounds the log moment of one iteration by
+    alpha(lambda) <= lambda (lambda + 1) / (2 m^2) * min{4 (e^{1/sigma^2} - 1), 2 e^{1/sigma^2}};
+    moments compose additively over N iterations and the tail bound gives
+    epsilon = min_lambda (N alpha(lambda) + log(1/delta)) / lambda (Abadi et al. 2016, Theorem 2).
+    """
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    if n_trajectories < 1 or steps < 0:
+        raise ValidationError("steps", f"need m >= 1 and N >= 0, got m={n_trajectories}, N={steps}")
+    inv = 1.0 / sigma**2
+    # For large 1/sigma^2 the exponential overflows; the bound is then vacuous anyway.
+    factor = min(4.0 * math.expm1(inv), 2.0 * math.exp(inv)) if inv < 700 else math.inf
+    lambdas = torch.arange(1, 4097, dtype=torch.float64)
+    moments = steps * lambdas * (lambdas + 1) / (2 * n_trajectories**2) * factor
+    return float(((moments + math.log(1 / delta)) / lambdas).min())

@@ -1,0 +1,148 @@
+"""Linear TD building blocks shared by GPOPE, LSTD and the OPE metrics; LSTD and WIS-LSTD (non-private baselines).
+
+Trajectories arrive padded (``TrajectoryDataset.padded()`` as a dict, or any dict with the same keys):
+observations ``[N, L+1, *obs]``, actions / rewards / behavior_log_probs ``[N, L]``, mask ``[N, L]``, terminated
+``[N]``. ``td_terms`` turns them into feature tensors once:
+
+    phi_t      = phi(s_t)                                  [N, L, n]
+    phi_next_t = phi(s_{t+1}), or 0 when s_{t+1} is terminal (the last step of a terminated episode)
+    rho_t      = pi(a_t | s_t) / pi_b(a_t | s_t)           (1 on-policy)
+
+and every estimator below is a tensor contraction over them (no Python loop over trajectories).
+
+Two weightings of the expectations A = E[rho phi (phi - gamma phi')^T], b = E[rho phi r], C = E[phi phi^T]:
+``"trajectory"`` averages each trajectory's transitions first (A_i = 1/tau_i sum_t ...), then trajectories: the
+expectation GPOPE's stochastic gradients are unbiased for; ``"transition"`` pools all transitions (classic LSTD).
+In the tabular case both have the same fixed point in expectation (the true values).
+
+WIS-LSTD: with rho multiplying the whole term rho_t phi_t (phi_t - gamma phi_{t+1})^T, the least-squares TD
+solution is the weighted-importance-sampling LSTD of Mahmood, van Hasselt and Sutton (2014) at lambda = 0: in the
+tabular case V(s) = sum rho (r + gamma V(s')) / sum rho over visits of s, the weighted-IS average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Optional
+
+import torch
+
+from dporl.utils.validation import ValidationError, check_probability
+
+FeatureMap = Callable[[torch.Tensor], torch.Tensor]  # obs [..., d] -> features [..., n], with .n_features
+TargetPolicy = Callable[[torch.Tensor], torch.Tensor]  # obs [..., d] -> action probabilities [..., n_actions]
+Weighting = Literal["trajectory", "transition"]
+
+
+@dataclass
+class TDTerms:
+    """Per-transition ingredients of linear TD on padded trajectories (padding rows are zero in every tensor)."""
+
+    phi: torch.Tensor  # [N, L, n]
+    phi_next: torch.Tensor  # [N, L, n], zero after a terminal transition
+    rho: torch.Tensor  # [N, L] importance ratios, zero on padding
+    rewards: torch.Tensor  # [N, L], zero on padding
+    mask: torch.Tensor  # [N, L] float 0/1
+    lengths: torch.Tensor  # [N] float, number of real transitions (>= 1)
+
+    @property
+    def n_features(self) -> int:
+        return int(self.phi.shape[-1])
+
+
+def importance_ratios(
+    data: Mapping[str, torch.Tensor], target_policy: Optional[TargetPolicy], dtype: torch.dtype
+) -> torch.Tensor:
+    """rho_t = pi(a_t | s_t) / pi_b(a_t | s_t) from logged behaviour log-probabilities; 1 when ``target_policy`` is None."""
+    mask = data["mask"].to(dtype)
+    if target_policy is None:
+        return mask
+    if data.get("behavior_log_probs") is None:
+        raise ValidationError(
+            "behavior_log_probs", "off-policy evaluation needs the logged behaviour log-probabilities of every action"
+        )
+    observations = data["observations"][:, :-1]
+    probs = target_policy(observations)
+    if probs.shape[:2] != data["actions"].shape:
+        raise ValidationError("target_policy", f"returned shape {tuple(probs.shape)} for {tuple(observations.shape)}")
+    target = probs.gather(-1, data["actions"].long().clamp_min(0).unsqueeze(-1)).squeeze(-1).to(dtype)
+    behaviour = data["behavior_log_probs"].to(dtype).masked_fill(~data["mask"].bool(), 0.0)
+    return target * torch.exp(-behaviour) * mask
+
+
+def td_terms(
+    features: FeatureMap,
+    data: Mapping[str, torch.Tensor],
+    target_policy: Optional[TargetPolicy] = None,
+    dtype: torch.dtype = torch.float32,
+) -> TDTerms:
+    """Features, next features (zeroed at terminal states), importance ratios and rewards of padded trajectories."""
+    mask = data["mask"].to(dtype)
+    n_traj, horizon = mask.shape
+    obs = data["observations"]
+    if obs.shape[:2] != (n_traj, horizon + 1):
+        raise ValidationError("observations", f"expected [N, L+1, ...] = [{n_traj}, {horizon + 1}, ...], got {tuple(obs.shape)}")
+    phi_all = features(obs).to(dtype)  # [N, L+1, n]
+    lengths = mask.sum(1)
+    if n_traj and lengths.min() < 1:
+        raise ValidationError("mask", "every trajectory needs at least one transition")
+    # The successor of the last real transition is terminal (phi = 0) iff the episode terminated; a truncated
+    # episode bootstraps from its last observation. Padding positions are zeroed by the mask.
+    last = torch.nn.functional.one_hot((lengths - 1).long(), horizon).to(dtype) if n_traj else mask
+    terminal_next = last * data["terminated"].to(dtype).unsqueeze(1)
+    phi = phi_all[:, :-1] * mask.unsqueeze(-1)
+    phi_next = phi_all[:, 1:] * (mask - terminal_next).unsqueeze(-1)
+    rho = importance_ratios(data, target_policy, dtype)
+    rewards = data["rewards"].to(dtype) * mask
+    return TDTerms(phi, phi_next, rho, rewards, mask, lengths)
+
+
+def _transition_weights(terms: TDTerms, weighting: Weighting) -> torch.Tensor:
+    """Weight of each transition in the expectations: 1/(N tau_i) per trajectory, or 1/(total transitions)."""
+    if weighting == "trajectory":
+        return terms.mask / (terms.lengths.unsqueeze(1) * terms.mask.shape[0])
+    if weighting == "transition":
+        return terms.mask / terms.mask.sum()
+    raise ValidationError("weighting", f"must be 'trajectory' or 'transition', got {weighting!r}")
+
+
+@dataclass
+class LinearTDStatistics:
+    """Sample (or exact) A, b, C of linear TD; MSPBE(theta) = (b - A theta)^T C^+ (b - A theta)."""
+
+    A: torch.Tensor  # [n, n]
+    b: torch.Tensor  # [n]
+    C: torch.Tensor  # [n, n]
+
+
+def td_statistics(terms: TDTerms, gamma: float, weighting: Weighting = "trajectory") -> LinearTDStatistics:
+    """A = E[rho phi (phi - gamma phi')^T], b = E[rho r phi], C = E[phi phi^T] as dense [n, n] averages."""
+    check_probability("gamma", gamma)
+    weights = _transition_weights(terms, weighting)
+    delta_phi = terms.phi - gamma * terms.phi_next
+    A = torch.einsum("nl,nli,nlj->ij", weights * terms.rho, terms.phi, delta_phi)
+    b = torch.einsum("nl,nli->i", weights * terms.rho * terms.rewards, terms.phi)
+    C = torch.einsum("nl,nli,nlj->ij", weights, terms.phi, terms.phi)
+    return LinearTDStatistics(A, b, C)
+
+
+def lstd_solution(stats: LinearTDStatistics, ridge: float = 0.0) -> torch.Tensor:
+    """theta solving (A + ridge I) theta = b; least squares (minimum norm) when A is singular (unvisited features)."""
+    A = stats.A.double() + ridge * torch.eye(stats.A.shape[0], dtype=torch.float64)
+    b = stats.b.double()
+    solution = torch.linalg.lstsq(A, b.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    return solution.to(stats.A.dtype)
+
+
+def lstd(
+    features: FeatureMap,
+    data: Mapping[str, torch.Tensor],
+    gamma: float,
+    *,
+    target_policy: Optional[TargetPolicy] = None,
+    weighting: Weighting = "transition",
+    ridge: float = 0.0,
+) -> torch.Tensor:
+    """LSTD(0) on-policy (``target_policy=None``) or WIS-LSTD(0) off-policy: not private."""
+    terms = td_terms(features, data, target_policy, dtype=torch.float64)
+    return lstd_solution(td_statistics(terms, gamma, weighting), ridge)

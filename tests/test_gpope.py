@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+
+from dporl.algos.gpope import GPOPE, GPOPEConfig, dense_primal_dual_gradients, paper_lemma1_epsilon, primal_dual_gradients
+from dporl.algos.lstd import lstd, lstd_solution, td_statistics, td_terms
+from dporl.privacy.samplers import Batch
+from dporl.utils.validation import ValidationError
+
+GAMMA = 0.9
+
+
+class LinearFeatures:
+    """A fixed random linear feature map (a local fixture: any callable with n_features works)."""
+
+    def __init__(self, obs_dim, n_features, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.randn(obs_dim, n_features, generator=g, dtype=torch.float64)
+        self.n_features = n_features
+
+    def __call__(self, obs):
+        return torch.cos(obs.double() @ self.weight)
+
+
+class OneHot:
+    def __init__(self, n_states):
+        self.n_features = n_states
+
+    def __call__(self, obs):
+        return torch.nn.functional.one_hot(obs[..., 0].long(), self.n_features).double()
+
+
+def uniform_policy(n_actions):
+    return lambda obs: torch.full((*obs.shape[:-1], n_actions), 1.0 / n_actions, dtype=torch.float64)
+
+
+def random_trajectories(n=6, obs_dim=3, n_actions=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 7, (n,), generator=g)
+    horizon = int(lengths.max())
+    mask = torch.arange(horizon).unsqueeze(0) < lengths.unsqueeze(1)
+    return {
+        "observations": torch.randn(n, horizon + 1, obs_dim, generator=g),
+        "actions": torch.randint(0, n_actions, (n, horizon), generator=g) * mask,
+        "rewards": torch.randn(n, horizon, generator=g) * mask,
+        "behavior_log_probs": torch.log(torch.rand(n, horizon, generator=g) * 0.8 + 0.1) * mask,
+        "mask": mask,
+        "terminated": torch.rand(n, generator=g) < 0.5,
+        "lengths": lengths,
+    }
+
+
+def loop_reference(features, data, theta, w, gamma, target_probs):
+    """B_i straight from the spec, one trajectory and one transition at a time (independent of td_terms).
+
+    ``target_probs``: pi(a|s) of a uniform target (the same for every action), or None on-policy.
+    """
+    out = []
+    for i in range(data["mask"].shape[0]):
+        tau = int(data["lengths"][i])
+        n = theta.shape[0]
+        A, C, b = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        for t in range(tau):
+            phi = features(data["observations"][i, t])
+            terminal = t == tau - 1 and bool(data["terminated"][i])
+            phi_next = torch.zeros(n, dtype=torch.float64) if terminal else features(data["observations"][i, t + 1])
+            rho = target_probs / math.exp(float(data["behavior_log_probs"][i, t])) if target_probs else 1.0
+            A += rho * torch.outer(phi, phi - gamma * phi_next) / tau
+            C += torch.outer(phi, phi) / tau
+            b += rho * phi * float(data["rewards"][i, t]) / tau
+        out.append(torch.cat([-A.T @ w, A @ theta + C @ w - b]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_primal_dual_gradient_matches_dense_and_spec_formula(off_policy):
+    data = random_trajectories()
+    features = LinearFeatures(3, 5)
+    policy = uniform_policy(3) if off_policy else None
+    g = torch.Generator().manual_seed(1)
+    theta, w = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
+    terms = td_terms(features, data, policy, dtype=torch.float64)
+    fast = primal_dual_gradients(terms, theta, w, GAMMA)
+    dense = dense_primal_dual_gradients(terms, theta, w, GAMMA)
+    reference = loop_reference(features, data, theta, w, GAMMA, 1.0 / 3 if off_policy else None)
+    assert fast.shape == (6, 10)
+    torch.testing.assert_close(fast, reference, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dense, reference, rtol=1e-10, atol=1e-10)
+
+
+def test_unit_directions_average_rows_of_the_same_unit():
+    data = random_trajectories(n=4)
+    module = GPOPE(LinearFeatures(3, 5), GPOPEConfig(gamma=GAMMA, dtype="float64"))
+    with torch.no_grad():
+        module.theta.normal_()
+        module.w.normal_()
+    unit_index = torch.tensor([0, 1, 1, 2])
+    directions = module.unit_directions(Batch(data, unit_index, 3, private=True))
+    rows = primal_dual_gradients(module.terms(data), module.theta.detach(), module.w.detach(), GAMMA)
+    torch.testing.assert_close(directions[1], (rows[1] + rows[2]) / 2)
+    torch.testing.assert_close(directions[2], rows[3])
+
+
+def test_off_policy_needs_behaviour_probabilities_and_features_need_size():
+    data = random_trajectories()
+    data.pop("behavior_log_probs")
+    with pytest.raises(ValidationError, match="behavior_log_probs"):
+        td_terms(LinearFeatures(3, 5), data, uniform_policy(3))
+    with pytest.raises(ValidationError, match="features"):
+        GPOPE(lambda obs: obs)
+
+
+def test_terminal_successor_has_zero_features_and_truncation_bootstraps():
+    data = random_trajectories()
+    terms = td_terms(LinearFeatures(3, 5), data, dtype=torch.float64)
+    for i, tau in enumerate(data["lengths"].tolist()):
+        last_next = terms.phi_next[i, tau - 1]
+        if data["terminated"][i]:
+            assert torch.count_nonzero(last_next) == 0
+        else:
+            torch.testing.assert_close(last_next, LinearFeatures(3, 5)(data["observations"][i, tau]))
+        assert torch.count_nonzero(terms.phi[i, tau:]) == 0
+
+
+def test_wis_lstd_is_the_weighted_importance_sampling_average_in_the_tabular_case():
+    # One state, two actions, episodes of one step: V = sum rho r / sum rho (weighted IS), not mean(rho r).
+    data = {
+        "observations": torch.zeros(4, 2, 1),
+        "actions": torch.tensor([[0], [1], [1], [0]]),
+        "rewards": torch.tensor([[1.0], [3.0], [5.0], [2.0]]),
+        "behavior_log_probs": torch.log(torch.tensor([[0.8], [0.2], [0.2], [0.8]])),
+        "mask": torch.ones(4, 1, dtype=torch.bool),
+        "terminated": torch.ones(4, dtype=torch.bool),
+    }
+    target = lambda obs: torch.tensor([0.5, 0.5]).expand(*obs.shape[:-1], 2)  # noqa: E731
+    rho = torch.tensor([0.5 / 0.8, 0.5 / 0.2, 0.5 / 0.2, 0.5 / 0.8])
+    expected = float((rho * torch.tensor([1.0, 3.0, 5.0, 2.0])).sum() / rho.sum())
+    theta = lstd(OneHot(1), data, 0.9, target_policy=target)
+    assert float(theta[0]) == pytest.approx(expected, rel=1e-6)  # logged log-probs are float32
+
+
+def test_paper_lemma1_epsilon_matches_its_formula():
+    sigma, m, steps, delta = 2.0, 1000, 5000, 1e-5
+    factor = min(4 * (math.exp(1 / sigma**2) - 1), 2 * math.exp(1 / sigma**2))
+    best = min((steps * lam * (lam + 1) / (2 * m**2) * factor + math.log(1 / delta)) / lam for lam in range(1, 4097))
+    assert paper_lemma1_epsilon(sigma, m, steps, delta) == pytest.approx(best, rel=1e-12)
+    assert paper_lemma1_epsilon(4.0, m, steps, delta) < paper_lemma1_epsilon(sigma, m, steps, delta)
+    assert paper_lemma1_epsilon(sigma, m, 2 * steps, delta) > paper_lemma1_epsilon(sigma, m, steps, delta)
