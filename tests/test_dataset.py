@@ -173,6 +173,8 @@ def test_padded_matches_per_episode_loop(log_probs):
             np.testing.assert_array_equal(padded.behavior_log_probs[row, :length].numpy(), ep["behavior_log_probs"])
             assert padded.behavior_log_probs[row, length:].abs().sum() == 0
     assert (padded.behavior_log_probs is None) == (not log_probs)
+    as_dict = padded.to_dict()
+    assert ("behavior_log_probs" in as_dict) == log_probs and as_dict["mask"] is padded.mask
     assert dataset.padded().actions.shape[0] == dataset.n_episodes
 
 

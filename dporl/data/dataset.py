@@ -187,6 +187,10 @@ class PaddedTrajectories:
     start_steps: torch.Tensor  # [N] int64
     behavior_log_probs: Optional[torch.Tensor]  # [N, L] or None when not logged
 
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors by field name (rows along dim 0, as a Batch's ``data``); absent log-probs are left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass."""
@@ -295,7 +299,8 @@ class TrajectoryDataset:
             check_finite("behavior_log_probs", self.behavior_log_probs)
             if n_transitions and self.behavior_log_probs.max() > 0:
                 raise ValidationError(
-                    "behavior_log_probs", f"log-probabilities must be <= 0, found {float(self.behavior_log_probs.max())}"
+                    "behavior_log_probs",
+                    f"log-probabilities must be <= 0, found {float(self.behavior_log_probs.max())}",
                 )
         self._validate_boundaries(n_transitions)
 
@@ -482,7 +487,9 @@ class TrajectoryDataset:
             truncated=torch.from_numpy(self.truncations[last]),
             expert_ids=torch.from_numpy(self.expert_ids[indices]),
             start_steps=torch.from_numpy(self.start_steps[indices]),
-            behavior_log_probs=None if self.behavior_log_probs is None else scatter(self.behavior_log_probs, np.float32),
+            behavior_log_probs=(
+                None if self.behavior_log_probs is None else scatter(self.behavior_log_probs, np.float32)
+            ),
         )
 
     def fragments(self, episode_ids: Any, starts: Any, ends: Any) -> "TrajectoryDataset":
@@ -505,13 +512,15 @@ class TrajectoryDataset:
         if len(bad):
             j = int(bad[0])
             raise ValidationError(
-                "ends", f"fragment {j} is empty (start {int(starts[j])}, end {int(ends[j])}); fragments need end > start"
+                "ends",
+                f"fragment {j} is empty (start {int(starts[j])}, end {int(ends[j])}); fragments need end > start",
             )
         bad = np.flatnonzero(ends > full_lengths)
         if len(bad):
             j = int(bad[0])
             raise ValidationError(
-                "ends", f"fragment {j} ends at {int(ends[j])} past episode {int(ids[j])}'s length {int(full_lengths[j])}"
+                "ends",
+                f"fragment {j} ends at {int(ends[j])} past episode {int(ids[j])}'s length {int(full_lengths[j])}",
             )
         lengths = ends - starts
         flat = _ranges(self._transition_starts[ids] + starts, lengths)
