@@ -147,3 +147,90 @@ def test_paper_lemma1_epsilon_matches_its_formula():
     assert paper_lemma1_epsilon(sigma, m, steps, delta) == pytest.approx(best, rel=1e-12)
     assert paper_lemma1_epsilon(4.0, m, steps, delta) < paper_lemma1_epsilon(sigma, m, steps, delta)
     assert paper_lemma1_epsilon(sigma, m, 2 * steps, delta) > paper_lemma1_epsilon(sigma, m, steps, delta)
+
+
+# ----------------------------------------------------------------------------------------------- via the Trainer
+from dporl.privacy.accountants import epsilon_for  # noqa: E402
+from dporl.privacy.events import PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent  # noqa: E402
+from dporl.privacy.ledger import PrivacyLedger  # noqa: E402
+from dporl.privacy.samplers import FixedSizeSource, PoissonUnitSource  # noqa: E402
+from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig  # noqa: E402
+from dporl.train.trainer import Trainer  # noqa: E402
+
+
+def tabular_trajectories(n=40, n_states=5, seed=0):
+    """Random walks on a small state space (integer states as 1-d observations), every state visited."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 8, (n,), generator=g)
+    horizon = int(lengths.max())
+    mask = torch.arange(horizon).unsqueeze(0) < lengths.unsqueeze(1)
+    states = torch.randint(0, n_states, (n, horizon + 1), generator=g).float()
+    return {
+        "observations": states.unsqueeze(-1),
+        "actions": torch.zeros(n, horizon, dtype=torch.long),
+        "rewards": torch.rand(n, horizon, generator=g) * mask,
+        "mask": mask,
+        "terminated": torch.rand(n, generator=g) < 0.7,
+    }
+
+
+class FullBatchSource:
+    """Every trajectory every step, as a public (noiseless) batch: deterministic GTD2 for the convergence test."""
+
+    def __init__(self, data):
+        self.data = data
+        self.n = data["mask"].shape[0]
+        self.expected_batch_size = float(self.n)
+
+    def sample(self, generator):
+        return Batch(dict(self.data), torch.arange(self.n), self.n, private=False)
+
+    def step_event(self, noise_multiplier):
+        return None
+
+
+def _trainer(module, source, tmp_path, steps, dp=None, lr=0.5, ledger=None):
+    config = TrainerConfig(
+        max_steps=steps, eval_every=steps, checkpoint_every=steps, log_every=steps, progress=False,
+        optimizer=OptimizerConfig(name="sgd", lr=lr),
+    )
+    ledger = ledger or PrivacyLedger()
+    return Trainer(module, source, config=config, dp=dp, ledger=ledger, run_dir=tmp_path, pipeline="ope",
+                   pipeline_config={"test": True}), ledger
+
+
+def test_noiseless_gpope_converges_to_the_td_fixed_point(tmp_path):
+    data = tabular_trajectories()
+    features = OneHot(5)
+    module = GPOPE(features, GPOPEConfig(gamma=GAMMA, dtype="float64"))
+    trainer, _ = _trainer(module, FullBatchSource(data), tmp_path, steps=3000, lr=2.0)
+    trainer.fit()
+    stats = td_statistics(td_terms(features, data, dtype=torch.float64), GAMMA, weighting="trajectory")
+    fixed_point = lstd_solution(stats)
+    # Full-batch GTD2 is a linear iteration contracting to the saddle point (A theta = b, w = 0); after 3000
+    # steps the remaining error is far below the tolerance (the contraction factor is < 0.995 here).
+    torch.testing.assert_close(module.theta.detach(), fixed_point, atol=1e-6, rtol=0)
+    torch.testing.assert_close(module.w.detach(), torch.zeros(5, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["poisson", "paper"])
+def test_private_gpope_ledger_matches_the_accountant(tmp_path, mode):
+    data = tabular_trajectories(n=50)
+    units = torch.arange(50)
+    if mode == "poisson":
+        source = PoissonUnitSource(data, units, 50, sample_rate=0.04)
+        event = PoissonGaussianEvent(1.5, 0.04)
+    else:
+        source = FixedSizeSource(data, units, 50, sample_size=1)
+        event = SampledWithoutReplacementGaussianEvent(1.5 / 2, 1, 50)  # replace-one: sensitivity 2h
+    ledger = PrivacyLedger()
+    ledger.stage("train", budget=(5.0, 1e-5), mechanism="rdp", unit="trajectory")
+    module = GPOPE(OneHot(5), GPOPEConfig(gamma=GAMMA))
+    # closed-form directions need no per-layer tape: "naive" is the engine mode without hooks
+    dp = DPConfig(epsilon=5.0, delta=1e-5, noise_multiplier=1.5, max_grad_norm=1.0, noise_seed=0, clipping="naive")
+    trainer, ledger = _trainer(module, source, tmp_path, steps=40, dp=dp, lr=0.1, ledger=ledger)
+    result = trainer.fit()
+    assert result.steps == 40
+    assert ledger.stages["train"].unit == "trajectory"
+    assert ledger.spent("train") == pytest.approx(epsilon_for([(event, 40)], 1e-5, "rdp"), rel=1e-12)
+    assert torch.isfinite(module.theta).all() and module.theta.abs().sum() > 0
