@@ -1,0 +1,135 @@
+"""Pipeline "expert_cql": methods end to end on a tiny CartPole expert pool, budgets, accounting, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dporl.experts.analytic import cartpole_lqr_experts
+from dporl.experts.collect import collect
+from dporl.experts.expert_set import ExpertSet
+from dporl.pipelines import get_pipeline
+from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, evaluate, run
+from dporl.utils.config import from_dict
+from dporl.utils.validation import ValidationError
+
+M, PER_EXPERT, P_MIN = 600, 1, 0.1
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """600 LQR experts (3 physics settings), 1 episode each of at most 60 steps, in default CartPole."""
+    root = tmp_path_factory.mktemp("logged")
+    settings = [{"gravity": g, "force_mag": 10.0, "masscart": 1.0} for g in (9.0, 9.8, 10.5)]
+    policy, _ = cartpole_lqr_experts(settings, M // len(settings), seed=0)
+    experts = ExpertSet(policy, P_MIN, "argmax")
+    experts.save(root / "experts.pt")
+    data = collect(experts, "CartPole-v1", PER_EXPERT, max_episode_steps=60, seed=0, progress=False)
+    data.save(root / "data.npz")
+    return root
+
+
+def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
+    base = {
+        "pipeline": "expert_cql",
+        "run_dir": str(tmp_path / "run"),
+        "epsilon": 10.0,
+        "delta": 1e-5,
+        "batch_size": 16,
+        "noise_seed": 1,
+        "data": {"dataset": str(logged / "data.npz"), "expert_set": str(logged / "experts.pt")},
+        "release": {"trajectories": 5},
+        "dp": {"noise_multiplier": 1.0, "p_dp": 0.5},
+        "cql": {"hidden_sizes": [16]},
+        "trainer": {"max_steps": 30, "eval_every": 15, "log_every": 10, "checkpoint_every": 15, "progress": False},
+        "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 50},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if name:
+            base[section] = {**base[section], name: value}
+        else:
+            base[key] = value
+    return from_dict(ExpertCQLConfig, base)
+
+
+def test_mixed_runs_end_to_end_with_sound_mixture_accounting(logged, tmp_path, capsys):
+    cfg = config(logged, tmp_path)
+    summary = run(cfg)
+    stages = {s["name"]: s for s in summary["privacy"]["stages"]}
+    # Budget split of the paper: eps1 = eps2 = 5, delta1 = delta2 = delta / 2.
+    assert stages["release"]["budget"] == [5.0, 5e-6] and stages[TRAIN_STAGE]["budget"] == [5.0, 5e-6]
+    (release_event, release_count), = stages["release"]["events"]
+    assert release_count == 5 and release_event["type"] == "ApproxDPEvent"
+    assert release_event["epsilon"] == pytest.approx(2 * summary["release"]["epsilon_prime"])
+    # One mixture event per training step (p_dp = 0.5 around a rate-B/m Poisson Gaussian), whatever branch ran.
+    (train_event, train_count), = stages[TRAIN_STAGE]["events"]
+    assert train_count == summary["steps"] == 30
+    assert train_event == {"type": "MixtureEvent", "probability": 0.5,
+                           "event": {"type": "PoissonGaussianEvent", "noise_multiplier": 1.0, "sample_rate": 16 / M}}
+    guarantee = summary["privacy"]["guarantee"]
+    assert guarantee["unit"] == "expert" and guarantee["epsilon"] <= 10.0 + 1e-9 and guarantee["delta"] == 1e-5
+    # The paper's figure (rate p_dp * q, no mixture) is smaller than the sound training-stage epsilon.
+    assert summary["paper_mixture_epsilon_NOT_A_GUARANTEE"] < stages[TRAIN_STAGE]["epsilon"]
+    out = capsys.readouterr().out
+    assert "GUARANTEE" in out and "NOT a guarantee" in out
+    assert (tmp_path / "run" / "release" / "d_stable.npz").exists()
+    assert "eval/return_mean" in summary["final_metrics"]
+    saved = json.loads((tmp_path / "run" / "expert_cql_summary.json").read_text())
+    assert saved["steps"] == 30
+
+
+def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
+    # sigma = 1 at rate 16/600: eps = 2 (RDP) allows tens of steps, far below the 10^6 step cap.
+    cfg = config(logged, tmp_path, method="dp_sgd", epsilon=2.0, **{"dp.noise_multiplier": 1.0,
+                                                                      "trainer.max_steps": 1_000_000})
+    summary = run(cfg)
+    (stage,) = summary["privacy"]["stages"]
+    assert stage["name"] == TRAIN_STAGE and stage["budget"] == [2.0, 1e-5]
+    assert 0 < summary["steps"] < 1_000 and stage["epsilon"] <= 2.0
+    assert summary["release"] is None
+
+
+def test_stable_only_and_non_private(logged, tmp_path):
+    stable = run(config(logged, tmp_path / "s", method="stable_only"))
+    (stage,) = stable["privacy"]["stages"]
+    assert stage["name"] == "release" and stage["budget"] == [10.0, 1e-5]
+    assert stable["stable_transitions"] > 0
+    plain = run(config(logged, tmp_path / "n", method="non_private"))
+    assert plain["privacy"]["stages"] == [] and plain["privacy"]["guarantee"] is None
+
+
+def test_resume_reuses_the_paid_release(logged, tmp_path):
+    cfg = config(logged, tmp_path)
+    first = run(cfg)
+    release_file = tmp_path / "run" / "release" / "d_stable.npz"
+    stamp = release_file.stat().st_mtime_ns
+    second = run(cfg)  # same run_dir: resumes from the checkpoint, release not repeated
+    assert release_file.stat().st_mtime_ns == stamp
+    assert second["privacy"]["guarantee"] == first["privacy"]["guarantee"]
+
+
+def test_evaluate_from_checkpoint(logged, tmp_path):
+    from dporl.train.checkpoint import load_checkpoint
+
+    run(config(logged, tmp_path, method="non_private"))
+    payload = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    metrics = evaluate(payload, episodes=3, seed=5, out_dir=tmp_path / "eval")
+    assert metrics["episodes"] == 3 and (tmp_path / "eval" / "eval.json").exists()
+
+
+def test_registered_and_refusals(logged, tmp_path):
+    assert get_pipeline("expert_cql").config_cls is ExpertCQLConfig
+    with pytest.raises(ValidationError) as info:
+        config(logged, tmp_path, data={"dataset": None})
+    assert info.value.field == "data"
+    with pytest.raises(ValidationError) as info:
+        run(config(logged, tmp_path, batch_size=M + 1, method="dp_sgd"))
+    assert info.value.field == "batch_size"
+    with pytest.raises(ValidationError) as info:
+        config(logged, tmp_path, **{"dp.p_dp": 0.0})
+    assert info.value.field == "dp.p_dp"
+    with pytest.raises(ValidationError) as info:  # m p_min = 60 < G0 at eps1 = 0.005 over 5 runs
+        run(config(logged, tmp_path, epsilon=0.01))
+    assert info.value.field == "release.epsilon"
