@@ -11,7 +11,7 @@ from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import get_pipeline
 from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, evaluate, run
-from dporl.utils.config import from_dict
+from dporl.utils.config import from_dict, to_dict
 from dporl.utils.validation import ValidationError
 
 M, PER_EXPERT, P_MIN = 600, 1, 0.1
@@ -133,3 +133,28 @@ def test_registered_and_refusals(logged, tmp_path):
     with pytest.raises(ValidationError) as info:  # m p_min = 60 < G0 at eps1 = 0.005 over 5 runs
         run(config(logged, tmp_path, epsilon=0.01))
     assert info.value.field == "release.epsilon"
+
+
+def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
+    import yaml
+
+    from dporl.pipelines.sweep import SweepConfig, run as run_sweep
+
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(to_dict(config(logged, tmp_path, **{"trainer.max_steps": 10}))))
+    sweep = from_dict(SweepConfig, {
+        "base": str(base), "epsilons": [10.0, 0.01], "methods": ["non_private", "dp_sgd", "mixed"], "seeds": [0],
+        "out_dir": str(tmp_path / "sweep"), "progress": False,
+    })
+    summary = run_sweep(sweep)
+    # non_private once; dp_sgd and mixed at both budgets; at eps = 0.01 neither a DP-SGD step nor a release fits.
+    assert summary["runs"] == 5 and summary["failed"] == 2
+    cells = {(e["method"], e["epsilon"]): e for e in summary["table"]}
+    assert cells[("mixed", 10.0)]["seeds"] == 1 and cells[("mixed", 0.01)]["seeds"] == 0
+    assert "release.epsilon" in cells[("mixed", 0.01)]["note"] and "dp.epsilon" in cells[("dp_sgd", 0.01)]["note"]
+    assert cells[("mixed", 10.0)]["guarantee_epsilon"] <= 10.0
+    # non_private has no budget: the same seeds fill every epsilon column.
+    assert cells[("non_private", 10.0)]["return_mean"] == cells[("non_private", 0.01)]["return_mean"]
+    for name in ("runs.csv", "results.md", "return_vs_epsilon.png"):
+        assert (tmp_path / "sweep" / name).stat().st_size > 0
+    assert run_sweep(sweep)["table"] == summary["table"]  # finished runs are read back, not repeated

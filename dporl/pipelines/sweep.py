@@ -1,0 +1,214 @@
+"""Sweep of the "expert_cql" pipeline: budgets x methods x seeds -> a table (CSV + markdown) and a PNG of return vs eps.
+
+    python -m dporl.pipelines.sweep --config configs/sweep_cartpole.yaml [key=value ...]
+
+Every run is an ordinary expert_cql run in ``out_dir/<method>/eps_<eps>/seed_<seed>``; a run whose summary already
+exists is read back, not repeated (an interrupted sweep resumes). ``non_private`` ignores the budget, so it runs once
+per seed and appears as a flat line. A run refused by its configuration (e.g. a release that no threshold makes
+private at a small eps, the paper's reason to fall back to DP-SGD there) is recorded with its reason, not retried.
+Each cell of the table is the mean over seeds of the run's ``return_mean_last_evals`` with a Student-t interval
+(``dporl.eval.returns.confidence_interval``) and the largest guaranteed epsilon among its seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, get_args
+
+from dporl.eval.returns import confidence_interval
+from dporl.logging import plot_lines
+from dporl.pipelines import Pipeline, get_pipeline, register
+from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, run as run_expert_cql
+from dporl.utils.config import apply_overrides, from_dict, load_yaml
+from dporl.utils.io import atomic_write_text
+from dporl.utils.validation import ValidationError
+
+_METHODS: tuple[str, ...] = get_args(Method)
+
+
+@dataclass
+class EpsilonOverrides:
+    epsilon: float
+    overrides: list[str] = field(default_factory=list)  # dotted key=value, e.g. release.trajectories=25
+
+
+@dataclass
+class SweepConfig:
+    pipeline: str = "expert_cql_sweep"
+    base: str = "configs/expert_cql_cartpole.yaml"  # an expert_cql config
+    overrides: list[str] = field(default_factory=list)  # applied to the base config of every run
+    epsilons: list[float] = field(default_factory=lambda: [10.0, 7.5, 5.0, 2.0, 1.0])
+    methods: list[Method] = field(default_factory=lambda: list(_METHODS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    method_overrides: dict[str, list[str]] = field(default_factory=dict)
+    epsilon_overrides: list[EpsilonOverrides] = field(default_factory=list)
+    out_dir: str = "runs/sweep_cartpole"
+    threads: int = 1  # torch threads per run (runs are sequential)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pipeline != "expert_cql_sweep":
+            raise ValidationError("pipeline", f"expected 'expert_cql_sweep', got {self.pipeline!r}")
+        for name in ("epsilons", "methods", "seeds"):
+            if not getattr(self, name):
+                raise ValidationError(name, "must not be empty")
+        if any(e <= 0 for e in self.epsilons):
+            raise ValidationError("epsilons", f"must be > 0, got {self.epsilons}")
+        unknown = sorted(set(self.method_overrides) - set(_METHODS))
+        if unknown:
+            raise ValidationError(f"method_overrides.{unknown[0]}", f"not a method (known: {list(_METHODS)})")
+        if self.threads < 1:
+            raise ValidationError("threads", f"must be >= 1, got {self.threads}")
+
+
+def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Optional[float], int, ExpertCQLConfig]]:
+    """(method, epsilon or None for non_private, seed, run config) for every run of the sweep."""
+    by_eps = {entry.epsilon: entry.overrides for entry in config.epsilon_overrides}
+    runs = []
+    for method in config.methods:
+        budgets: list[Optional[float]] = [None] if method == "non_private" else list(config.epsilons)
+        for eps in budgets:
+            for seed in config.seeds:
+                name = f"{method}/{'all' if eps is None else f'eps_{eps:g}'}/seed_{seed}"
+                overrides = [
+                    *config.overrides,
+                    *config.method_overrides.get(method, []),
+                    *(by_eps.get(eps, []) if eps is not None else []),
+                    f"method={method}",
+                    f"trainer.seed={seed}",
+                    f"run_dir={Path(config.out_dir) / name}",
+                    "trainer.progress=false",
+                ]
+                if eps is not None:
+                    overrides.append(f"epsilon={eps}")
+                runs.append((method, eps, seed, from_dict(ExpertCQLConfig, apply_overrides(data, overrides))))
+    return runs
+
+
+def _generate_once(config: SweepConfig, data: dict[str, Any]) -> dict[str, Any]:
+    """Run the base config's dataset generation once and point every run at its outputs."""
+    generate = (data.get("data") or {}).get("generate")
+    if generate is None:
+        return data
+    generator = get_pipeline("dataset")
+    outputs = generator.run(from_dict(generator.config_cls, {"pipeline": "dataset", **generate}))
+    return {**data, "data": {"dataset": outputs["dataset_path"], "expert_set": outputs.get("expert_set_path")}}
+
+
+def run(config: SweepConfig) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(config.threads)
+    data = apply_overrides(load_yaml(config.base), config.overrides)
+    if data.get("pipeline", "expert_cql") != "expert_cql":
+        raise ValidationError("base", f"{config.base} is not an expert_cql config")
+    runs = run_configs(config, _generate_once(config, data))
+    rows = []
+    for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
+        rows.append(_run_one(method, eps, seed, run_config))
+    out_dir = Path(config.out_dir)
+    table = summarise(rows, config)
+    _write_outputs(out_dir, rows, table, config)
+    return {"runs": len(rows), "failed": sum(r["error"] is not None for r in rows), "table": table,
+            "outputs": [str(out_dir / name) for name in ("runs.csv", "results.md", "return_vs_epsilon.png")]}
+
+
+def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQLConfig) -> dict[str, Any]:
+    summary_path = Path(run_config.run_dir) / "expert_cql_summary.json"
+    row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
+           "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
+           "error": None}
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else run_expert_cql(run_config)
+    except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
+        row["error"] = str(exc)
+        return row
+    guarantee = summary["privacy"]["guarantee"] or {}
+    row.update(
+        {
+            "return": summary["return_mean_last_evals"],
+            "final_return": summary["final_metrics"].get("eval/return_mean", math.nan),
+            "guarantee_epsilon": guarantee.get("epsilon", math.nan),
+            "guarantee_delta": guarantee.get("delta", math.nan),
+            "steps": summary["steps"],
+            "stable_transitions": summary["stable_transitions"],
+        }
+    )
+    return row
+
+
+def summarise(rows: list[dict[str, Any]], config: SweepConfig) -> list[dict[str, Any]]:
+    """One entry per (method, epsilon): mean return over successful seeds with a t interval."""
+    table = []
+    for method in config.methods:
+        for eps in config.epsilons:
+            cell = [r for r in rows if r["method"] == method and (r["epsilon"] == eps or r["epsilon"] is None)]
+            ok = [r for r in cell if r["error"] is None and math.isfinite(r["return"])]
+            entry = {"method": method, "epsilon": eps, "seeds": len(ok), "return_mean": math.nan,
+                     "ci_low": math.nan, "ci_high": math.nan, "guarantee_epsilon": math.nan,
+                     "note": next((r["error"] for r in cell if r["error"]), "")}
+            if ok:
+                stats = confidence_interval([r["return"] for r in ok])
+                entry.update({"return_mean": stats.mean, "ci_low": stats.ci_low, "ci_high": stats.ci_high,
+                              "guarantee_epsilon": max(r["guarantee_epsilon"] for r in ok)})
+            table.append(entry)
+    return table
+
+
+def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: SweepConfig) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out_dir / "runs.csv", buffer.getvalue())
+    lines = [
+        "| method | eps (budget) | return (mean over seeds) | 95% CI | guaranteed eps (max over seeds) | seeds | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in table:
+        budget = "none" if e["method"] == "non_private" else f"{e['epsilon']:g}"
+        guaranteed = "no guarantee" if e["method"] == "non_private" else f"{e['guarantee_epsilon']:.3g}"
+        lines.append(
+            f"| {e['method']} | {budget} | {e['return_mean']:.1f} | [{e['ci_low']:.1f}, {e['ci_high']:.1f}] | "
+            f"{guaranteed} | {e['seeds']} | {e['note'][:80]} |"
+        )
+    atomic_write_text(out_dir / "results.md", "\n".join(lines) + "\n")
+    series = {}
+    for method in config.methods:
+        cells = [e for e in table if e["method"] == method and e["seeds"] > 0]
+        if cells:
+            label = "non-private CQL (no guarantee)" if method == "non_private" else method
+            series[label] = ([e["epsilon"] for e in cells], [e["return_mean"] for e in cells],
+                             [(e["ci_high"] - e["ci_low"]) / 2 for e in cells])
+    if series:
+        plot_lines(out_dir / "return_vs_epsilon.png", series, xlabel="expert-level epsilon (total budget)",
+                   ylabel="mean episodic return", title="expert-level private CQL", logx=True)
+
+
+register(Pipeline("expert_cql_sweep", SweepConfig, run))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        summary = run(from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides)))
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
