@@ -72,6 +72,8 @@ class GPOPE(nn.Module):
         """[n_units, 2n]: the primal-dual gradient of each sampled trajectory (mean over its rows if several)."""
         with torch.no_grad():
             rows = primal_dual_gradients(self.terms(batch.data), self.theta, self.w, self.config.gamma)
+            if batch.n_rows == batch.n_units and torch.equal(batch.unit_index, torch.arange(batch.n_units)):
+                return rows  # one row per trajectory (the usual trajectory-level batch)
             units = torch.zeros(batch.n_units, rows.shape[1], dtype=rows.dtype)
             units.index_add_(0, batch.unit_index, rows)
             counts = torch.bincount(batch.unit_index, minlength=batch.n_units).clamp_min(1)
@@ -86,12 +88,15 @@ class GPOPE(nn.Module):
 def primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, gamma: float) -> torch.Tensor:
     """B_i(theta, w) for every trajectory in ``terms``: [N, 2n], O(N L n) (never forms A_i or C_i)."""
     delta_phi = terms.phi - gamma * terms.phi_next  # [N, L, n]
-    inv_tau = (1.0 / terms.lengths).unsqueeze(1)  # [N, 1]
+    inv_tau = terms.lengths.reciprocal().unsqueeze(1)  # [N, 1]
     value_gap = delta_phi @ theta  # (phi_t - gamma phi_{t+1}) . theta  [N, L]
-    dual = terms.phi @ w  # phi_t . w  [N, L]
-    # A_i theta + C_i w - b_i = Phi^T (rho * (D theta) + Phi w - rho * r) / tau, one contraction.
-    dual_part = torch.einsum("nl,nli->ni", (terms.rho * (value_gap - terms.rewards) + dual * terms.mask) * inv_tau, terms.phi)
-    primal_part = -torch.einsum("nl,nli->ni", terms.rho * dual * inv_tau, delta_phi)  # -A_i^T w
+    dual = terms.phi @ w  # phi_t . w  [N, L] (zero on padding, where phi is zero)
+    # A_i theta + C_i w - b_i = Phi^T (rho * (D theta - r) + Phi w) / tau  and  -A_i^T w = -D^T (rho * Phi w) / tau:
+    # two batched matrix-vector products over the time axis.
+    dual_weights = (terms.rho * (value_gap - terms.rewards) + dual) * inv_tau
+    primal_weights = terms.rho * dual * (-inv_tau)
+    dual_part = torch.bmm(dual_weights.unsqueeze(1), terms.phi).squeeze(1)
+    primal_part = torch.bmm(primal_weights.unsqueeze(1), delta_phi).squeeze(1)
     return torch.cat([primal_part, dual_part], dim=1)
 
 

@@ -77,21 +77,22 @@ def td_terms(
     dtype: torch.dtype = torch.float32,
 ) -> TDTerms:
     """Features, next features (zeroed at terminal states), importance ratios and rewards of padded trajectories."""
-    mask = data["mask"].to(dtype)
+    valid = data["mask"].bool()
+    mask = valid.to(dtype)
     n_traj, horizon = mask.shape
     obs = data["observations"]
     if obs.shape[:2] != (n_traj, horizon + 1):
         raise ValidationError("observations", f"expected [N, L+1, ...] = [{n_traj}, {horizon + 1}, ...], got {tuple(obs.shape)}")
-    phi_all = features(obs).to(dtype)  # [N, L+1, n]
     lengths = mask.sum(1)
     if n_traj and lengths.min() < 1:
         raise ValidationError("mask", "every trajectory needs at least one transition")
-    # The successor of the last real transition is terminal (phi = 0) iff the episode terminated; a truncated
-    # episode bootstraps from its last observation. Padding positions are zeroed by the mask.
-    last = torch.nn.functional.one_hot((lengths - 1).long(), horizon).to(dtype) if n_traj else mask
-    terminal_next = last * data["terminated"].to(dtype).unsqueeze(1)
+    phi_all = features(obs).to(dtype)  # [N, L+1, n]
+    # s_{t+1} is a real non-terminal state if step t+1 exists, or if t is the last step of a truncated (not
+    # terminated) episode, which bootstraps from its last observation. Otherwise phi(s_{t+1}) = 0.
+    later = torch.nn.functional.pad(valid[:, 1:], (0, 1))
+    next_valid = later | (valid & ~data["terminated"].bool().unsqueeze(1))
     phi = phi_all[:, :-1] * mask.unsqueeze(-1)
-    phi_next = phi_all[:, 1:] * (mask - terminal_next).unsqueeze(-1)
+    phi_next = phi_all[:, 1:] * next_valid.unsqueeze(-1).to(dtype)
     rho = importance_ratios(data, target_policy, dtype)
     rewards = data["rewards"].to(dtype) * mask
     return TDTerms(phi, phi_next, rho, rewards, mask, lengths)

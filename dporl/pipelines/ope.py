@@ -1,0 +1,426 @@
+"""Pipeline "ope": private policy evaluation experiments (GPOPE vs DP-LSW / DP-LSL, LSTD reference).
+
+Chain experiment (Xie, Thomas, Miklau 2019, Figure 1a; Balle et al. 2016's domain): for every number of
+trajectories m and trial, draw m on-policy trajectories of the 40-state chain, release a value estimate with
+each private method at (epsilon, delta), and score it by the exact MSPBE (on-policy distribution) and the RMSE
+against the closed-form values. GPOPE's step size is tuned on an independent *public* dataset of the same size
+(the paper's protocol: a step size chosen on the private data would leak), then also run at the configured
+multiples (0.1x, 10x) to check robustness. DP-LSL's lambda = scale * sqrt(m) is tuned the same way.
+
+Every trial's GPOPE run goes through the shared Trainer (Poisson sampling over trajectories, RDP accounting,
+or the paper's one-trajectory-per-update mode with sampling-without-replacement RDP, replace-one adjacency).
+Outputs in ``run_dir``: results.csv, results.md, mspbe_vs_m.png, rmse_vs_m.png, summary.json and one Trainer
+run directory (checkpoint, TensorBoard, privacy report) per GPOPE run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+
+from dporl.algos.dp_lsw_lsl import ANALYSIS as SMOOTH_SENSITIVITY, dp_lsl, dp_lsw, first_visit_returns
+from dporl.algos.gpope import GPOPE, GPOPEConfig, paper_lemma1_epsilon
+from dporl.algos.lstd import lstd
+from dporl.eval.ope_metrics import exact_td_statistics, mspbe, on_policy_distribution, rmse
+from dporl.logging import plot_lines
+from dporl.pipelines import Pipeline, register
+from dporl.privacy.accountants import analysis_name
+from dporl.privacy.ledger import PrivacyLedger
+from dporl.privacy.noise import NoiseSource
+from dporl.privacy.samplers import FixedSizeSource, PoissonUnitSource
+from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.trainer import Trainer
+from dporl.utils.config import to_dict
+from dporl.utils.io import atomic_write_json, atomic_write_text
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+PRIVATE_METHODS = ("gpope", "dp_lsw", "dp_lsl")
+
+
+@dataclass
+class ChainSettings:
+    n_states: int = 40
+    stay_probability: float = 0.5
+    max_episode_steps: int = 10_000  # sampling guard; the expected length from state 0 is (N-1)/(1-p)
+
+    def __post_init__(self) -> None:
+        if self.n_states < 2:
+            raise ValidationError("chain.n_states", f"must be >= 2, got {self.n_states}")
+        check_probability("chain.stay_probability", self.stay_probability, allow_one=False)
+
+
+@dataclass
+class GPOPESettings:
+    mode: Literal["poisson", "paper"] = "poisson"
+    expected_batch_size: float = 1.0  # Poisson: sample rate q = expected_batch_size / m (1: the paper's rate)
+    epochs: float = 1.0  # iterations N = epochs * m / expected_batch_size
+    clip_norm: float = 1.0  # the paper's h
+    step_size: Optional[float] = None  # None: tuned on public data over step_size_grid, separately for every m
+    step_size_grid: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3, 1.0, 3.0])
+    step_size_multipliers: list[float] = field(default_factory=lambda: [1.0, 0.1, 10.0])
+    schedule: Literal["constant", "inverse_time"] = "constant"
+    time_offset: float = 0.0
+    accountant: Literal["rdp", "prv", "pld"] = "rdp"
+
+    def __post_init__(self) -> None:
+        check_positive("gpope.expected_batch_size", self.expected_batch_size)
+        check_positive("gpope.epochs", self.epochs)
+        check_positive("gpope.clip_norm", self.clip_norm)
+        if self.step_size is not None:
+            check_positive("gpope.step_size", self.step_size)
+        if not self.step_size_grid or not self.step_size_multipliers:
+            raise ValidationError("gpope.step_size_grid", "needs at least one step size and one multiplier")
+        for i, value in enumerate(self.step_size_grid + self.step_size_multipliers):
+            check_positive(f"gpope.step_sizes[{i}]", value)
+        if self.mode == "paper" and self.accountant != "rdp":
+            raise ValidationError("gpope.accountant", "paper mode (sampling without replacement) is analysed by 'rdp'")
+
+
+@dataclass
+class OutputPerturbationSettings:
+    methods: list[str] = field(default_factory=lambda: ["dp_lsw", "dp_lsl"])
+    # Public bound F_max on first-visit returns; None: R_max / (1 - gamma). The chain pays at most one unit
+    # reward per episode, so 1 is a public bound there (and the better baseline).
+    return_bound: Optional[float] = 1.0
+    lsl_lambda_scale: Optional[float] = None  # lambda = scale * sqrt(m); None: tuned on public data
+    lsl_lambda_grid: list[float] = field(default_factory=lambda: [1.0, 3.0, 10.0, 30.0, 100.0])
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.methods) - {"dp_lsw", "dp_lsl"})
+        if unknown:
+            raise ValidationError("output_perturbation.methods", f"unknown method(s) {unknown}; use dp_lsw, dp_lsl")
+        if self.return_bound is not None:
+            check_positive("output_perturbation.return_bound", self.return_bound)
+        if self.lsl_lambda_scale is not None:
+            check_positive("output_perturbation.lsl_lambda_scale", self.lsl_lambda_scale)
+        for i, value in enumerate(self.lsl_lambda_grid):
+            check_positive(f"output_perturbation.lsl_lambda_grid[{i}]", value)
+
+
+@dataclass
+class OPEConfig:
+    pipeline: str = "ope"
+    experiment: Literal["chain"] = "chain"
+    run_dir: str = "runs/ope_chain"
+    seed: int = 0
+    trials: int = 5
+    m_values: list[int] = field(default_factory=lambda: [100, 1000, 10000])
+    gamma: float = 0.99
+    epsilon: float = 0.1
+    delta: float = 1e-5
+    # None: a secret seed per release (real use). A fixed seed makes the run reproducible but voids the guarantee
+    # for anyone who knows it.
+    noise_seed: Optional[int] = None
+    progress: bool = True
+    chain: ChainSettings = field(default_factory=ChainSettings)
+    gpope: GPOPESettings = field(default_factory=GPOPESettings)
+    output_perturbation: OutputPerturbationSettings = field(default_factory=OutputPerturbationSettings)
+
+    def __post_init__(self) -> None:
+        if self.pipeline != "ope":
+            raise ValidationError("pipeline", f"this config is for pipeline 'ope', got {self.pipeline!r}")
+        if self.trials < 1:
+            raise ValidationError("trials", f"must be >= 1, got {self.trials}")
+        if not self.m_values or any(m < 2 for m in self.m_values):
+            raise ValidationError("m_values", f"need dataset sizes >= 2, got {self.m_values}")
+        check_probability("gamma", self.gamma, allow_one=False)
+        check_positive("epsilon", self.epsilon)
+        check_probability("delta", self.delta, allow_zero=False, allow_one=False)
+
+
+# --------------------------------------------------------------------------------------------- the chain problem
+@dataclass
+class FiniteProblem:
+    """A finite Markov reward process with its public features, exact TD statistics and true values."""
+
+    features: Any  # callable obs [..., 1] -> [..., n]
+    feature_matrix: torch.Tensor  # [S, n]
+    transitions: torch.Tensor  # [S, S], rows of terminal states zero
+    step_rewards: torch.Tensor  # [S, S] reward on the transition s -> s'
+    start: torch.Tensor  # [S] start distribution
+    true_values: torch.Tensor  # [S]
+    scored_states: torch.Tensor  # states the RMSE averages over (the non-terminal ones)
+    gamma: float
+    reward_max: float
+
+    def __post_init__(self) -> None:
+        expected_reward = (self.transitions * self.step_rewards).sum(1)
+        self.distribution = on_policy_distribution(self.transitions, self.start)
+        self.stats = exact_td_statistics(self.feature_matrix, self.transitions, expected_reward, self.distribution, self.gamma)
+
+    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
+        values = self.feature_matrix @ theta.double()
+        return {
+            "mspbe": float(mspbe(theta, self.stats)),
+            "rmse": float(rmse(values[self.scored_states], self.true_values[self.scored_states])),
+        }
+
+    def sample(self, n: int, generator: torch.Generator, max_steps: int) -> dict[str, torch.Tensor]:
+        """n trajectories as padded tensors (observations hold the state index), sampled for all n at once."""
+        cumulative = self.transitions.cumsum(1)
+        terminal = self.transitions.sum(1) == 0
+        states = torch.multinomial(self.start, n, replacement=True, generator=generator)
+        visited, rewards, alive = [states], [], [~terminal[states]]
+        for _ in range(max_steps):
+            if not alive[-1].any():
+                break
+            draw = torch.rand(n, generator=generator, dtype=torch.float64)
+            nxt = torch.searchsorted(cumulative[states], draw.unsqueeze(1)).squeeze(1).clamp_max(len(terminal) - 1)
+            nxt = torch.where(alive[-1], nxt, states)
+            rewards.append(torch.where(alive[-1], self.step_rewards[states, nxt], 0.0))
+            states = nxt
+            visited.append(states)
+            alive.append(alive[-1] & ~terminal[states])
+        mask = torch.stack(alive[:-1], 1)
+        if not mask[:, 0].all():
+            raise ValidationError("chain", "the start distribution puts mass on terminal states")
+        return {
+            "observations": torch.stack(visited, 1).unsqueeze(-1).float(),
+            "actions": torch.zeros(mask.shape, dtype=torch.long),
+            "rewards": torch.stack(rewards, 1).float() * mask,
+            "mask": mask,
+            "lengths": mask.sum(1),
+            "terminated": ~alive[-1],
+        }
+
+
+def chain_problem(config: OPEConfig) -> FiniteProblem:
+    from dporl.envs.chain import chain_transition_matrix, chain_true_values
+    from dporl.envs.features import TabularFeatures
+
+    n, p, gamma = config.chain.n_states, config.chain.stay_probability, config.gamma
+    transitions = torch.as_tensor(chain_transition_matrix(n, p), dtype=torch.float64).clone()
+    transitions[n - 1] = 0.0  # the absorbing state ends the episode
+    step_rewards = torch.zeros(n, n, dtype=torch.float64)
+    step_rewards[: n - 1, n - 1] = 1.0  # reward 1 on entering the absorbing state
+    start = torch.ones(n, dtype=torch.float64)
+    start[n - 1] = 0.0
+    features = TabularFeatures(n)
+    states = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+    return FiniteProblem(
+        features=features,
+        feature_matrix=features(states).double(),
+        transitions=transitions,
+        step_rewards=step_rewards,
+        start=start / start.sum(),
+        true_values=torch.as_tensor(chain_true_values(n, p, gamma), dtype=torch.float64),
+        scored_states=torch.arange(n - 1),
+        gamma=gamma,
+        reward_max=1.0,
+    )
+
+
+# --------------------------------------------------------------------------------------------- one release each
+def _generator(*keys: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(tuple(keys)) % 2**62)
+
+
+def _noise_seed(config: OPEConfig, *keys: int) -> Optional[int]:
+    return None if config.noise_seed is None else hash((config.noise_seed, *keys)) % 2**62
+
+
+def run_gpope(
+    config: OPEConfig, problem: FiniteProblem, data: dict, step_size: float, run_dir: Path, noise_seed: Optional[int],
+    run_info: dict,
+) -> dict[str, Any]:
+    """One private GPOPE release through the Trainer; returns its metrics and privacy figures."""
+    settings = config.gpope
+    m = int(data["mask"].shape[0])
+    units = torch.arange(m)
+    if settings.mode == "poisson":
+        rate = min(1.0, settings.expected_batch_size / m)
+        source = PoissonUnitSource(data, units, m, sample_rate=rate)  # one row = one padded trajectory
+        steps = max(1, round(settings.epochs / rate))  # N = epochs * m / expected batch
+    else:
+        source = FixedSizeSource(data, units, m, sample_size=1)
+        steps = max(1, round(settings.epochs * m))
+    ledger = PrivacyLedger()
+    ledger.stage("train", budget=(config.epsilon, config.delta), mechanism=settings.accountant, unit="trajectory")
+    module = GPOPE(problem.features, GPOPEConfig(gamma=config.gamma))
+    trainer = Trainer(
+        module,
+        source,
+        config=TrainerConfig(
+            max_steps=steps, seed=run_info.get("trial", 0), log_every=max(1, steps // 20), eval_every=steps,
+            checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False, resume=True,
+            optimizer=OptimizerConfig(name="sgd", lr=step_size, schedule=settings.schedule, time_offset=settings.time_offset),
+        ),
+        dp=DPConfig(
+            epsilon=config.epsilon, delta=config.delta, max_grad_norm=settings.clip_norm, accountant=settings.accountant,
+            clipping="naive", noise_seed=noise_seed,
+        ),
+        ledger=ledger,
+        run_dir=run_dir,
+        pipeline="ope",
+        pipeline_config={"ope": to_dict(config), **run_info, "step_size": step_size},
+        evaluators={"ope": lambda mod: problem.metrics(mod.theta.detach())},
+    )
+    result = trainer.fit()
+    out = {**problem.metrics(module.theta.detach()), "epsilon": ledger.spent("train"), "steps": result.steps,
+           "noise_multiplier": result.noise_multiplier}
+    if settings.mode == "paper":
+        out["paper_lemma1_epsilon"] = paper_lemma1_epsilon(result.noise_multiplier, m, result.steps, config.delta)
+    return out
+
+
+def run_output_perturbation(
+    method: str, config: OPEConfig, problem: FiniteProblem, data: dict, lambda_scale: float, noise_seed: Optional[int]
+) -> dict[str, Any]:
+    """One DP-LSW or DP-LSL release (smooth sensitivity), recorded in its own ledger stage."""
+    settings = config.output_perturbation
+    bound = settings.return_bound if settings.return_bound is not None else problem.reward_max / (1 - config.gamma)
+    n_states = problem.feature_matrix.shape[0]
+    visits = first_visit_returns(data, n_states, config.gamma, bound)
+    noise = NoiseSource(noise_seed)
+    if method == "dp_lsw":
+        release = dp_lsw(visits, problem.feature_matrix, epsilon=config.epsilon, delta=config.delta,
+                         return_bound=bound, noise=noise)
+    else:
+        lam = lambda_scale * math.sqrt(visits.n_trajectories)
+        release = dp_lsl(visits, problem.feature_matrix, epsilon=config.epsilon, delta=config.delta,
+                         return_bound=bound, lam=lam, noise=noise)
+    ledger = PrivacyLedger()
+    # An (epsilon, delta) release has no RDP curve; PLD reproduces its epsilon (to float rounding).
+    ledger.stage(method, mechanism="pld", unit="trajectory", delta=config.delta)
+    ledger.record(method, release.event())
+    return {**problem.metrics(release.theta), "epsilon": ledger.spent(method)}
+
+
+def _lsl_lambda_scale(config: OPEConfig, problem: FiniteProblem, public: dict, m: int) -> float:
+    settings = config.output_perturbation
+    if settings.lsl_lambda_scale is not None:
+        return settings.lsl_lambda_scale
+    # lambda must exceed ||Phi||^2 ||rho||_inf; grid values that do not are skipped.
+    floor = float(torch.linalg.matrix_norm(problem.feature_matrix, ord=2)) ** 2
+    scores = {}
+    for scale in settings.lsl_lambda_grid:
+        if scale * math.sqrt(m) > floor:
+            scores[scale] = run_output_perturbation("dp_lsl", config, problem, public, scale, None)["mspbe"]
+    if not scores:
+        raise ValidationError("output_perturbation.lsl_lambda_grid", f"no lambda exceeds ||Phi||^2 = {floor:g} at m={m}")
+    return min(scores, key=scores.get)
+
+
+# --------------------------------------------------------------------------------------------- the experiment
+def run(config: OPEConfig) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(1)
+    run_dir = Path(config.run_dir)
+    problem = chain_problem(config)
+    gp = config.gpope
+    rows: list[dict[str, Any]] = []
+    tuned: dict[int, dict[str, float]] = {}
+    n_jobs = len(config.m_values) * (
+        (len(gp.step_size_grid) if gp.step_size is None else 0) + config.trials * len(gp.step_size_multipliers)
+    )
+    progress = tqdm(total=n_jobs, desc="ope chain", unit="run", disable=not config.progress, dynamic_ncols=True)
+    for m in config.m_values:
+        # Hyper-parameters come from an independent public dataset of the same size (never the private one).
+        public = problem.sample(m, _generator(config.seed, m, -1), config.chain.max_episode_steps)
+        step_size = gp.step_size
+        if step_size is None:
+            scores = {}
+            for k, lr in enumerate(gp.step_size_grid):
+                result = run_gpope(config, problem, public, lr, run_dir / f"m{m}" / "tuning" / f"lr{k}",
+                                   _noise_seed(config, m, -1, k), {"m": m, "trial": -1})
+                scores[lr] = result["mspbe"]
+                progress.update(1)
+            step_size = min(scores, key=scores.get)
+        lambda_scale = _lsl_lambda_scale(config, problem, public, m) if "dp_lsl" in config.output_perturbation.methods else 0.0
+        tuned[m] = {"step_size": step_size, "lsl_lambda_scale": lambda_scale}
+        for trial in range(config.trials):
+            data = problem.sample(m, _generator(config.seed, m, trial), config.chain.max_episode_steps)
+            reference = problem.metrics(lstd(problem.features, data, config.gamma))
+            rows.append({"method": "lstd (non-private)", "m": m, "trial": trial, **reference, "epsilon": math.inf})
+            for k, multiplier in enumerate(gp.step_size_multipliers):
+                result = run_gpope(
+                    config, problem, data, step_size * multiplier, run_dir / f"m{m}" / f"trial{trial}" / f"gpope_x{multiplier:g}",
+                    _noise_seed(config, m, trial, k), {"m": m, "trial": trial, "multiplier": multiplier},
+                )
+                rows.append({"method": f"gpope ({multiplier:g}x step)", "m": m, "trial": trial, **result})
+                progress.update(1)
+            for j, method in enumerate(config.output_perturbation.methods):
+                result = run_output_perturbation(method, config, problem, data, lambda_scale,
+                                                 _noise_seed(config, m, trial, 100 + j))
+                rows.append({"method": method, "m": m, "trial": trial, **result})
+    progress.close()
+    return _write_results(config, run_dir, rows, tuned)
+
+
+def _aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    table = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for m in sorted({r["m"] for r in rows if r["method"] == method}):
+            group = [r for r in rows if r["method"] == method and r["m"] == m]
+            entry: dict[str, Any] = {"method": method, "m": m, "trials": len(group)}
+            for key in ("mspbe", "rmse"):
+                values = torch.tensor([r[key] for r in group], dtype=torch.float64)
+                entry[f"{key}_mean"] = float(values.mean())
+                entry[f"{key}_std"] = float(values.std()) if len(group) > 1 else 0.0
+            entry["epsilon"] = max(r["epsilon"] for r in group)
+            if "paper_lemma1_epsilon" in group[0]:
+                entry["paper_lemma1_epsilon"] = max(r["paper_lemma1_epsilon"] for r in group)
+            table.append(entry)
+    return table
+
+
+def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]], tuned: dict) -> dict[str, Any]:
+    table = _aggregate(rows)
+    columns = ["method", "m", "trials", "mspbe_mean", "mspbe_std", "rmse_mean", "rmse_std", "epsilon"]
+    csv = [",".join(columns)] + [",".join(str(entry[c]) for c in columns) for entry in table]
+    atomic_write_text(run_dir / "results.csv", "\n".join(csv) + "\n")
+    unit = "trajectory"
+    gp_analysis = (
+        analysis_name(config.gpope.accountant) + (", Poisson sampling, add/remove one trajectory" if config.gpope.mode == "poisson"
+                                                  else ", sampling without replacement, replace one trajectory")
+    )
+    lines = [
+        f"# Chain ({config.chain.n_states} states, p={config.chain.stay_probability}, gamma={config.gamma}): "
+        f"MSPBE vs m at epsilon={config.epsilon}, delta={config.delta}, privacy unit: {unit}",
+        "",
+        f"GPOPE: {gp_analysis}. DP-LSW / DP-LSL: {SMOOTH_SENSITIVITY}, replace one trajectory.",
+        "",
+        "| method | m | trials | MSPBE (mean +- std) | RMSE (mean +- std) | epsilon |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in table:
+        eps = "n/a (not private)" if math.isinf(e["epsilon"]) else f"{e['epsilon']:.4g}"
+        lines.append(f"| {e['method']} | {e['m']} | {e['trials']} | {e['mspbe_mean']:.3e} +- {e['mspbe_std']:.1e} | "
+                     f"{e['rmse_mean']:.3e} +- {e['rmse_std']:.1e} | {eps} |")
+    lines += ["", "Tuned on public data: " + ", ".join(
+        f"m={m}: step size {v['step_size']:g}, DP-LSL lambda scale {v['lsl_lambda_scale']:g}" for m, v in tuned.items())]
+    atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
+    for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
+        series = {}
+        for method in dict.fromkeys(e["method"] for e in table):
+            picked = [e for e in table if e["method"] == method]
+            series[method] = ([e["m"] for e in picked], [e[f"{key}_mean"] for e in picked], None)
+        plot_lines(run_dir / f"{key}_vs_m.png", series, xlabel="trajectories m", ylabel=label, logx=True, logy=True,
+                   title=f"chain, epsilon={config.epsilon}, delta={config.delta}")
+    summary = {"config": to_dict(config), "table": table, "tuned": {str(k): v for k, v in tuned.items()},
+               "privacy_unit": unit, "gpope_analysis": gp_analysis, "output_perturbation_analysis": SMOOTH_SENSITIVITY}
+    atomic_write_json(run_dir / "summary.json", summary)
+    return {"run_dir": str(run_dir), "table": table, "tuned": summary["tuned"]}
+
+
+def evaluate(payload: dict[str, Any], episodes: int, seed: int, out_dir: Path) -> dict[str, Any]:
+    """Metrics of the value estimate a GPOPE checkpoint released, on its environment (exact for the chain)."""
+    from dporl.utils.config import from_dict
+
+    stored = payload.get("config", {})
+    if "ope" not in stored or "theta" not in payload.get("algorithm", {}):
+        raise ValidationError("checkpoint", "not a GPOPE checkpoint of the 'ope' pipeline")
+    config = from_dict(OPEConfig, stored["ope"])
+    problem = chain_problem(config)
+    metrics = {**problem.metrics(payload["algorithm"]["theta"]), "m": stored.get("m"), "trial": stored.get("trial"),
+               "steps": payload.get("step")}
+    atomic_write_json(Path(out_dir) / "ope_eval.json", metrics)
+    return metrics
+
+
+register(Pipeline("ope", OPEConfig, run, evaluate))
