@@ -22,15 +22,17 @@ from dporl.utils.validation import ValidationError, check_positive, check_probab
 
 
 def on_policy_distribution(transitions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Normalised expected number of visits to each state: d proportional to start^T (I - P)^{-1}.
+    """Normalised expected number of transitions from each state: d proportional to start^T (I - P)^{-1}.
 
-    ``transitions`` [S, S] is substochastic (rows of terminal states are zero), so the series converges.
+    ``transitions`` [S, S] is substochastic (rows of terminal states are zero), so the series converges. Arriving
+    in a terminal state ends the episode without a transition from it, so terminal states get weight 0.
     """
     P = torch.as_tensor(transitions, dtype=torch.float64)
     mu = torch.as_tensor(start, dtype=torch.float64)
     if P.dim() != 2 or P.shape[0] != P.shape[1] or mu.shape != (P.shape[0],):
         raise ValidationError("transitions", f"need P [S, S] and start [S], got {tuple(P.shape)}, {tuple(mu.shape)}")
     visits = torch.linalg.solve((torch.eye(P.shape[0], dtype=torch.float64) - P).T, mu)
+    visits = visits * (P.sum(1) > 0)
     return visits / visits.sum()
 
 
