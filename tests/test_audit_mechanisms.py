@@ -11,6 +11,7 @@ import pytest
 from dporl.audit import run_audit
 from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, mixture_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
+from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
 
 CASES = [
     ("gaussian", gaussian_audit, {}, 20_000),
@@ -42,3 +43,28 @@ def test_mixture_audit_respects_the_sound_analysis_and_refutes_the_papers():
     assert weakened.violated
     payload = result.to_dict()
     assert payload["references_exceeded"] and payload["privacy_unit"] == "expert"
+
+
+def test_output_perturbation_and_reward_perturbation_audits():
+    # The smooth-sensitivity analysis adds alpha = 5 sqrt(2 ln(2/delta)) / eps ~ 25x the local sensitivity, so
+    # power needs the noise cut to 1/100; the reward baseline's calibration is exact, 1/10 suffices.
+    for builder, kwargs, cut in [
+        (output_perturbation_audit, {"method": "lsw"}, 0.01),
+        (output_perturbation_audit, {"method": "lsl"}, 0.01),
+        (reward_perturbation_audit, {}, 0.1),
+    ]:
+        honest = run_audit(builder(**kwargs), 20_000, seed=5)
+        assert not honest.violated, honest.describe()
+        weakened = run_audit(builder(noise_factor=cut, **kwargs), 20_000, seed=6)
+        assert weakened.violated, weakened.describe()
+
+
+def test_stable_prefix_release_audit():
+    pytest.importorskip("dporl.privacy.sparse_vector")
+    from dporl.audit.stable_prefix_audit import stable_prefix_audit
+
+    honest = run_audit(stable_prefix_audit(), 3_000, seed=7)
+    assert not honest.violated, honest.describe()
+    # Without a threshold the canary's whole rollouts are released: P_D[>= 8 ones] ~ 0.68 / 21 vs P_D'[...] ~ 1e-4.
+    leaky = run_audit(stable_prefix_audit(threshold_factor=0.0, noise_factor=1e-3), 3_000, seed=8)
+    assert leaky.violated, leaky.describe()
