@@ -97,6 +97,20 @@ def test_from_episodes_observation_count_checked():
     assert info.value.field == "episodes[1].observations"
 
 
+def test_from_episodes_rejects_empty_episode_and_missing_keys():
+    rng = np.random.default_rng(21)
+    episodes = make_episodes(rng, n_episodes=2)
+    episodes[0] = {**episodes[0], "actions": episodes[0]["actions"][:0], "observations": episodes[0]["observations"][:1]}
+    with pytest.raises(ValidationError) as info:
+        TrajectoryDataset.from_episodes(episodes, make_metadata())
+    assert info.value.field == "episodes[0].actions"
+    episodes = make_episodes(rng, n_episodes=2)
+    del episodes[1]["expert_id"]
+    with pytest.raises(ValidationError) as info:
+        TrajectoryDataset.from_episodes(episodes, make_metadata())
+    assert info.value.field == "episodes[1].expert_id"
+
+
 def test_empty_dataset_is_valid_and_views_are_empty(tmp_path):
     dataset = TrajectoryDataset.from_episodes([], make_metadata())
     assert dataset.n_episodes == 0 and dataset.n_transitions == 0
