@@ -204,18 +204,22 @@ class ExpertSet(nn.Module):
         return states
 
     def _soften(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities from fresh ``logits`` (overwritten in place: they are a temporary of this query).
+
+        In-place on purpose: large temporaries dominate the query cost on CPU (every fresh [m, B, A] tensor is
+        new memory to fault in), and the plain matmul producing the logits is cheap by comparison.
+        """
         if self.softening == "argmax":
-            n_a, p_min = self.n_actions, self.p_min
-            best = torch.nn.functional.one_hot(logits.argmax(dim=-1), n_a).bool()
-            log_best = math.log1p(-(n_a - 1) * p_min)
-            log_other = math.log(p_min)
-            return torch.where(best, logits.new_tensor(log_best), logits.new_tensor(log_other))
-        log_probs = torch.log_softmax(logits, dim=-1)
-        if self.p_min is not None:
-            low = log_probs < math.log(self.p_min) - _LOG_TOLERANCE
-            if bool(low.any()):
+            best = logits.argmax(dim=-1, keepdim=True)  # first maximum on ties: deterministic
+            log_best = math.log1p(-(self.n_actions - 1) * self.p_min)
+            return logits.fill_(math.log(self.p_min)).scatter_(-1, best, log_best)
+        log_probs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
+        if self.p_min is not None and log_probs.numel():
+            threshold = math.log(self.p_min) - _LOG_TOLERANCE
+            if float(log_probs.amin()) < threshold:
+                low = log_probs < threshold
                 expert, state, action = (int(i) for i in low.nonzero()[0])
-                worst = float(log_probs.min().exp())
+                worst = float(log_probs.amin().exp())
                 raise ValidationError(
                     "expert_set.p_min",
                     f"{int(low.sum())} queried probabilities are below p_min={self.p_min} (smallest {worst:.3g}; first: "

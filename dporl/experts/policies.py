@@ -99,6 +99,22 @@ class StackedPolicy(nn.Module):
         return clone.to(next(iter(params.values())).device)
 
     @classmethod
+    def concatenate(cls, policies: Sequence["StackedPolicy"]) -> "StackedPolicy":
+        """One module stacking the experts of ``policies`` in order (same family and architecture)."""
+        if not policies:
+            raise ValidationError("policies", "need at least one policy")
+        first = policies[0]
+        architecture = {k: v for k, v in first.config().items() if k != "n_experts"}
+        for i, other in enumerate(policies[1:], start=1):
+            other_architecture = {k: v for k, v in other.config().items() if k != "n_experts"}
+            if type(other) is not type(first) or other_architecture != architecture:
+                raise ValidationError(f"policies[{i}]", f"{other.family} {other_architecture} differs from "
+                                      f"policies[0]'s {first.family} {architecture}")
+        merged = type(first)(**{**first.config(), "n_experts": sum(p.n_experts for p in policies)})
+        merged.load_state_dict({name: torch.cat([p.state_dict()[name] for p in policies]) for name in first.state_dict()})
+        return merged
+
+    @classmethod
     def from_config(cls, config: dict[str, Any]) -> "StackedPolicy":
         try:
             return cls(**config)

@@ -1,0 +1,217 @@
+"""Expert generation: candidates per physics setting, keep the best k on that setting, stack the survivors.
+
+The paper's protocol (spec/expert_level.md, "Experiments to reproduce"): for each of 1000 physics settings (10 values
+of 3 parameters) train PPO experts and keep the best 3 on that setting: 3000 experts. Here:
+
+- ``family="ppo"``: ``candidates_per_setting`` PPO actors per setting (``dporl.experts.ppo``), scored by their
+  greedy return over ``eval_episodes`` episodes ON THAT SETTING; the best ``keep_best`` survive. One setting is one
+  unit of work: run in-process (``ray.enabled: false``, for tests and tiny runs) or as one Ray task per setting
+  (``ray.init()`` locally by default, ``ray.address`` to join a cluster, ``ray.num_cpus`` to cap local cores).
+  Every candidate's seed is derived from ``(seed, setting index, candidate index)`` and training is single-threaded,
+  so both paths give the same experts.
+- ``family="analytic"``: the cheap stand-ins of ``dporl.experts.analytic`` (milliseconds, no Ray), selected the
+  same way.
+
+Settings come from ``dporl.envs.variants.physics_grid`` (``points_per_axis`` values per parameter over the paper's
+ranges), optionally subsampled to ``n_settings`` with the seed. Experts are ordered setting-major, best first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dporl.experts.analytic import analytic_experts
+from dporl.experts.collect import evaluate_policies
+from dporl.experts.policies import StackedMLPPolicy, StackedPolicy
+from dporl.experts.ppo import PPOConfig, train_ppo, variant_env_fn
+from dporl.utils.config import to_dict
+from dporl.utils.validation import ValidationError
+
+
+@dataclass
+class RayConfig:
+    enabled: bool = False
+    address: Optional[str] = None  # None: start a local Ray instance; "auto" or "ray://host:10001" joins a cluster
+    num_cpus: Optional[int] = None  # cap for a local instance (ignored when joining a cluster)
+
+
+@dataclass
+class GenerationConfig:
+    env_id: str = "CartPole-v1"
+    family: Literal["analytic", "ppo"] = "analytic"
+    points_per_axis: Optional[int] = None  # grid values per physics parameter; None: the paper's grid
+    n_settings: Optional[int] = None  # draw this many settings from the grid (seeded); None: all of them
+    candidates_per_setting: int = 3
+    keep_best: int = 3
+    eval_episodes: int = 5  # greedy episodes per candidate on its own setting, to rank candidates
+    max_episode_steps: int = 200
+    seed: int = 0
+    logit_scale: float = 1.0  # analytic family: logit = logit_scale * control signal (matters only without argmax)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("candidates_per_setting", "keep_best", "eval_episodes", "max_episode_steps"):
+            if getattr(self, name) < 1:
+                raise ValidationError(f"experts.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.keep_best > self.candidates_per_setting:
+            raise ValidationError("experts.keep_best", f"cannot keep {self.keep_best} of "
+                                  f"{self.candidates_per_setting} candidates per setting")
+        if self.n_settings is not None and self.n_settings < 1:
+            raise ValidationError("experts.n_settings", f"must be >= 1 or null, got {self.n_settings}")
+        if self.points_per_axis is not None and self.points_per_axis < 1:
+            raise ValidationError("experts.points_per_axis", f"must be >= 1 or null, got {self.points_per_axis}")
+        if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
+            raise ValidationError("experts.ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
+
+
+@dataclass
+class GeneratedExperts:
+    policy: StackedPolicy  # survivors, setting-major, best first
+    settings: list[dict]  # the physics settings used
+    setting_index: np.ndarray  # [m] setting of each survivor
+    eval_returns: np.ndarray  # [m] its greedy return on its setting
+    candidate_returns: np.ndarray  # [n_settings, candidates_per_setting] every candidate's return
+
+    def info(self, config: GenerationConfig) -> dict[str, Any]:
+        """JSON-safe provenance for ``ExpertSet.info`` (per-expert lists are kept aligned by ``ExpertSet.select``)."""
+        return {
+            "source": f"dporl.experts.generate ({config.family})",
+            "generation": to_dict(config),
+            "settings": self.settings,
+            "candidate_return_mean": float(self.candidate_returns.mean()),
+            "per_expert": {
+                "setting_index": self.setting_index.tolist(),
+                "eval_return": [float(r) for r in self.eval_returns],
+            },
+        }
+
+
+def physics_settings(config: GenerationConfig) -> list[dict]:
+    """The grid of the paper's physics ranges (or a coarser one), optionally subsampled to ``n_settings``."""
+    from dporl.envs.variants import physics_grid
+
+    grid = list(physics_grid(config.env_id, config.points_per_axis))
+    if config.n_settings is None:
+        return grid
+    if config.n_settings > len(grid):
+        raise ValidationError("experts.n_settings", f"the grid has only {len(grid)} settings, asked for "
+                              f"{config.n_settings}")
+    chosen = np.sort(np.random.default_rng(config.seed).choice(len(grid), config.n_settings, replace=False))
+    return [grid[i] for i in chosen]
+
+
+def generate_experts(config: GenerationConfig, settings: list[dict] | None = None,
+                     progress: bool = True) -> GeneratedExperts:
+    """Candidates per setting, best ``keep_best`` kept; ``settings`` overrides the grid ({} = default physics)."""
+    settings = physics_settings(config) if settings is None else [dict(s) for s in settings]
+    if not settings:
+        raise ValidationError("settings", "need at least one physics setting")
+    if config.family == "analytic":
+        return _generate_analytic(config, settings, progress)
+    return _generate_ppo(config, settings, progress)
+
+
+def _keep_best(returns: np.ndarray, keep: int) -> np.ndarray:
+    """[S, c] returns -> flat candidate indices [S * keep] of each setting's best ``keep`` (stable order on ties)."""
+    order = np.argsort(-returns, axis=1, kind="stable")[:, :keep]
+    return (order + np.arange(returns.shape[0])[:, None] * returns.shape[1]).reshape(-1)
+
+
+def _generate_analytic(config: GenerationConfig, settings: list[dict], progress: bool) -> GeneratedExperts:
+    candidates, _ = analytic_experts(config.env_id, settings, config.candidates_per_setting, config.seed,
+                                     config.logit_scale)
+    per_candidate = [s for s in settings for _ in range(config.candidates_per_setting)]
+    returns = evaluate_policies(candidates, config.env_id, per_candidate, config.eval_episodes,
+                                config.max_episode_steps, config.seed, progress=progress)
+    returns = returns.reshape(len(settings), config.candidates_per_setting)
+    keep = _keep_best(returns, config.keep_best)
+    return GeneratedExperts(
+        policy=candidates.select(torch.as_tensor(keep)),
+        settings=settings,
+        setting_index=keep // config.candidates_per_setting,
+        eval_returns=returns.reshape(-1)[keep],
+        candidate_returns=returns,
+    )
+
+
+def train_setting(env_id: str, setting: dict, setting_index: int, config: GenerationConfig) -> dict[str, Any]:
+    """One unit of work: train the candidates of one setting, score them there, return the best ``keep_best``.
+
+    A plain function (no closures) so Ray can ship it; returns tensors and numbers only.
+    """
+    actors = []
+    for candidate in range(config.candidates_per_setting):
+        seed = int(np.random.SeedSequence([config.seed, setting_index, candidate]).generate_state(1)[0])
+        env_fn = variant_env_fn(env_id, setting, config.max_episode_steps)
+        actors.append(train_ppo(env_fn, config.ppo, seed).actor)
+    candidates = StackedMLPPolicy.from_single(actors)
+    eval_seed = int(np.random.SeedSequence([config.seed, setting_index, 2**31]).generate_state(1)[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        returns = evaluate_policies(candidates, env_id, [setting] * len(actors), config.eval_episodes,
+                                    config.max_episode_steps, eval_seed)
+    finally:
+        torch.set_num_threads(threads)
+    keep = _keep_best(returns[None, :], config.keep_best)
+    survivors = candidates.select(torch.as_tensor(keep))
+    return {"config": survivors.config(), "state_dict": survivors.state_dict(), "returns": returns.tolist()}
+
+
+def _generate_ppo(config: GenerationConfig, settings: list[dict], progress: bool) -> GeneratedExperts:
+    results: list[dict[str, Any] | None] = [None] * len(settings)
+    bar = tqdm(total=len(settings), desc=f"PPO experts ({config.env_id})", unit="setting", disable=not progress)
+    with bar:
+        if config.ray.enabled:
+            for index, result in _run_on_ray(config, settings):
+                results[index] = result
+                bar.update(1)
+        else:
+            for index, setting in enumerate(settings):
+                results[index] = train_setting(config.env_id, setting, index, config)
+                bar.update(1)
+    policies = []
+    for result in results:
+        policy = StackedMLPPolicy(**result["config"])
+        policy.load_state_dict(result["state_dict"])
+        policies.append(policy)
+    returns = np.array([result["returns"] for result in results])
+    keep = _keep_best(returns, config.keep_best)
+    return GeneratedExperts(
+        policy=StackedMLPPolicy.concatenate(policies),
+        settings=settings,
+        setting_index=keep // config.candidates_per_setting,
+        eval_returns=returns.reshape(-1)[keep],
+        candidate_returns=returns,
+    )
+
+
+def _run_on_ray(config: GenerationConfig, settings: list[dict]):
+    """Yield (setting index, result) as Ray tasks finish (one task and one CPU per setting)."""
+    try:
+        import ray
+    except ImportError:
+        raise ValidationError("experts.ray.enabled", "Ray is not installed: pip install 'dporl[ray]'") from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        if config.ray.address is None:
+            ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, logging_level="WARNING")
+        else:
+            ray.init(address=config.ray.address, logging_level="WARNING")
+    try:
+        task = ray.remote(num_cpus=1)(train_setting)
+        config_ref = ray.put(config)
+        pending = {task.remote(config.env_id, s, i, config_ref): i for i, s in enumerate(settings)}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                yield pending.pop(ref), ray.get(ref)
+    finally:
+        if started_here:
+            ray.shutdown()
