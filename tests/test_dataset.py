@@ -79,6 +79,17 @@ def test_from_episodes_round_trips_every_episode():
         np.testing.assert_array_equal(actions, original["actions"])
 
 
+def test_stored_arrays_are_read_only_and_views_are_copies():
+    dataset, _ = make_dataset(seed=22)
+    with pytest.raises(ValueError):
+        dataset.expert_ids[0] = 3  # would bypass the range check
+    transitions = dataset.transitions()
+    transitions.actions[0] = 1 - transitions.actions[0]  # views handed out are the caller's to modify...
+    transitions.obs[0] += 1.0
+    assert dataset.transitions().actions[0] != transitions.actions[0]  # ...without touching the dataset
+    assert dataset.transitions().obs[0, 0] != transitions.obs[0, 0]
+
+
 def test_from_episodes_requires_log_probs_on_all_or_none():
     rng = np.random.default_rng(2)
     episodes = make_episodes(rng, n_episodes=3)

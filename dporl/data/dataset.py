@@ -220,7 +220,12 @@ def _as_typed(field_name: str, value: Any, dtype: type, kinds: str) -> np.ndarra
 
 
 class TrajectoryDataset:
-    """Episodes logged by a pool of experts, in the flat layout above. Validated on construction."""
+    """Episodes logged by a pool of experts, in the flat layout above. Validated on construction.
+
+    The arrays are exposed as read-only views. Input arrays of the right dtype are not copied (datasets can be large),
+    so do not modify them after construction. Views returned by the methods below are fresh, writable arrays unless
+    a method says otherwise.
+    """
 
     def __init__(
         self,
@@ -255,6 +260,12 @@ class TrajectoryDataset:
             else _as_typed("behavior_log_probs", behavior_log_probs, np.float32, "f")
         )
         self._validate()
+        for name in _ARRAY_DTYPES:  # read-only views: validated data cannot be changed behind the checks' back
+            array = getattr(self, name)
+            if array is not None:
+                view = array.view()
+                view.flags.writeable = False
+                setattr(self, name, view)
         self._transition_starts = np.cumsum(self.episode_lengths) - self.episode_lengths
         self._observation_starts = self._transition_starts + np.arange(self.n_episodes, dtype=np.int64)
 
