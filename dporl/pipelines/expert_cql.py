@@ -148,12 +148,18 @@ class ExpertCQLConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- data
+def generate_dataset(generate: dict[str, Any]) -> tuple[str, str]:
+    """Run the "dataset" pipeline with config ``generate``; (dataset path, expert set path)."""
+    generator = get_pipeline("dataset")
+    outputs = generator.run(from_dict(generator.config_cls, {"pipeline": "dataset", **generate}))
+    return outputs["dataset"], outputs["expert_set"]
+
+
 def load_data(config: DataConfig) -> tuple[TrajectoryDataset, Optional[ExpertSet]]:
     """The logged dataset and, when one is known, the expert set that logged it."""
     if config.generate is not None:
-        generator = get_pipeline("dataset")
-        outputs = generator.run(from_dict(generator.config_cls, {"pipeline": "dataset", **config.generate}))
-        dataset_path, expert_path = outputs["dataset_path"], config.expert_set or outputs.get("expert_set_path")
+        dataset_path, expert_path = generate_dataset(config.generate)
+        expert_path = config.expert_set or expert_path
     else:
         dataset_path, expert_path = config.dataset, config.expert_set
     dataset = TrajectoryDataset.load(dataset_path)

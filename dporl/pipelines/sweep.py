@@ -24,8 +24,8 @@ from typing import Any, Optional, get_args
 
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, get_pipeline, register
-from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, run as run_expert_cql
+from dporl.pipelines import Pipeline, register
+from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
@@ -97,9 +97,8 @@ def _generate_once(config: SweepConfig, data: dict[str, Any]) -> dict[str, Any]:
     generate = (data.get("data") or {}).get("generate")
     if generate is None:
         return data
-    generator = get_pipeline("dataset")
-    outputs = generator.run(from_dict(generator.config_cls, {"pipeline": "dataset", **generate}))
-    return {**data, "data": {"dataset": outputs["dataset_path"], "expert_set": outputs.get("expert_set_path")}}
+    dataset_path, expert_path = generate_dataset(generate)
+    return {**data, "data": {"dataset": dataset_path, "expert_set": expert_path}}
 
 
 def run(config: SweepConfig) -> dict:
