@@ -59,8 +59,9 @@ def test_export_import_round_trip(minari_root, log_probs):
 
 
 def test_export_to_explicit_root_and_no_overwrite(tmp_path):
-    dataset, _ = make_dataset(seed=31, n_episodes=3)
-    export_minari(dataset, "plain-v1", root=tmp_path / "elsewhere")
+    dataset, _ = make_dataset(seed=31, n_episodes=3, n_actions=2, obs_shape=(4,))
+    exported = export_minari(dataset, "plain-v1", root=tmp_path / "elsewhere", env="CartPole-v1")
+    assert exported.env_spec.id == "CartPole-v1"  # Minari users can recover the logging environment
     assert_same_dataset(import_minari("plain-v1", root=tmp_path / "elsewhere"), dataset)
     with pytest.raises(ValidationError) as info:
         export_minari(dataset, "plain-v1", root=tmp_path / "elsewhere")
@@ -175,6 +176,19 @@ def test_import_validates_the_data_itself():
     with pytest.raises(ValidationError) as info:
         import_minari("nan-v0", expert_id_key="agent")
     assert info.value.field == "observations"
+
+
+def test_import_rejects_corrupt_stored_metadata():
+    dataset, _ = make_dataset(seed=37, n_episodes=2)
+    exported = export_minari(dataset, "meta-v0")
+    exported.storage.update_metadata({minari_io.DPORL_METADATA_KEY: '{"env_id": "x", "colour": 1}'})
+    with pytest.raises(ValidationError) as info:
+        import_minari("meta-v0")
+    assert info.value.field == "metadata.colour"
+    exported.storage.update_metadata({minari_io.DPORL_METADATA_KEY: "{truncated"})
+    with pytest.raises(ValidationError) as info:
+        import_minari("meta-v0")
+    assert info.value.field == minari_io.DPORL_METADATA_KEY
 
 
 @pytest.mark.parametrize("source", ["absent-v0", "not a valid id"])

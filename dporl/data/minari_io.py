@@ -202,8 +202,8 @@ def import_minari(
             raise ValidationError("n_experts", "the dataset carries dporl metadata; pass metadata= to override it")
         try:
             metadata = DatasetMetadata.from_dict(json.loads(stored))
-        except json.JSONDecodeError as exc:
-            raise ValidationError(DPORL_METADATA_KEY, f"is not valid JSON: {exc}") from None
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValidationError(DPORL_METADATA_KEY, f"is not a JSON string: {exc}") from None
     expert_ids = _expert_ids(episodes, expert_id_key)
     if metadata is None:
         metadata = _derived_metadata(data, expert_ids, n_experts)
