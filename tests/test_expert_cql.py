@@ -158,3 +158,22 @@ def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
     for name in ("runs.csv", "results.md", "return_vs_epsilon.png"):
         assert (tmp_path / "sweep" / name).stat().st_size > 0
     assert run_sweep(sweep)["table"] == summary["table"]  # finished runs are read back, not repeated
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    from dporl.pipelines.dataset import DatasetConfig
+    from dporl.pipelines.sweep import SweepConfig
+    from dporl.utils.config import load_yaml
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    configs = sorted(root.glob("expert_cql_*.yaml"))
+    assert len(configs) >= 9
+    for path in configs:
+        parsed = from_dict(ExpertCQLConfig, load_yaml(path))
+        if parsed.data.generate is not None:
+            from_dict(DatasetConfig, {"pipeline": "dataset", **parsed.data.generate})
+    for path in sorted(root.glob("sweep_*.yaml")):
+        sweep = from_dict(SweepConfig, load_yaml(path))
+        from_dict(ExpertCQLConfig, load_yaml(root.parent / sweep.base))
