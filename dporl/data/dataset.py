@@ -30,9 +30,8 @@ Views never loop over episodes in Python: every per-episode slice is one vectori
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -101,8 +100,8 @@ class DatasetMetadata:
             if isinstance(self.p_min, bool) or not isinstance(self.p_min, (int, float, np.floating)):
                 raise ValidationError("metadata.p_min", f"expected a number or null, got {self.p_min!r}")
             p_min = float(self.p_min)
-            # p_min = 1/n_A is the uniform policy; anything above it cannot hold for every action.
-            if not (0.0 < p_min <= 1.0 / self.n_actions) or math.isnan(p_min):
+            # p_min = 1/n_A is the uniform policy; anything above it cannot hold for every action (NaN fails too).
+            if not 0.0 < p_min <= 1.0 / self.n_actions:
                 raise ValidationError(
                     "metadata.p_min", f"must lie in (0, 1/n_actions] = (0, {1.0 / self.n_actions:.6g}], got {p_min!r}"
                 )
@@ -133,13 +132,12 @@ class DatasetMetadata:
         unknown = sorted(set(payload) - names)
         if unknown:
             raise ValidationError(f"metadata.{unknown[0]}", f"unknown key (valid keys: {', '.join(sorted(names))})")
-        missing = sorted(f.name for f in fields(cls) if f.name not in payload and f.name in _REQUIRED_METADATA)
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = sorted(name for name in required if name not in payload)
         if missing:
             raise ValidationError(f"metadata.{missing[0]}", "missing")
         return cls(**payload)
 
-
-_REQUIRED_METADATA = {"env_id", "n_actions", "n_experts", "obs_shape"}
 
 
 @dataclass(frozen=True)
