@@ -1,0 +1,490 @@
+"""HIV treatment simulator (Adams et al. 2004 model, as used by Ernst et al. 2006), batched over patients.
+
+State (T1, T2, T1*, T2*, V, E); 4 actions = {no drug, RTI, PI, both} with efficacies (eps1, eps2) in
+{(0, 0), (0.7, 0), (0, 0.3), (0.7, 0.3)}; reward -(Q V + R1 eps1^2 + R2 eps2^2 - S E) at the end of each
+treatment interval; observation log10 of the state. Equations and constants: /work/shared/spec/environments.md.
+
+Why a hand-written integrator: the ODE is stiff (rates from 0.01/day to ~20/day) and scipy's solve_ivp handles
+one patient per call, so logging tens of thousands of patient-steps costs minutes. ``HIVVectorSimulator``
+integrates every patient at once with a 4th-order Rosenbrock method (Kaps-Rentrop / Shampine parameters, embedded
+3rd-order error estimate) using the analytic Jacobian, batched 6x6 linear algebra, and a step size per patient.
+It integrates the logarithm of the state: positivity holds by construction and the absolute tolerance on
+log-state is a relative tolerance on every cell count (they span 1 to 1e6). ``integrate_scipy`` is the
+one-patient reference the tests and the benchmark compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+from scipy.integrate import solve_ivp
+
+from dporl.utils.validation import ValidationError, check_int_range, check_positive
+
+STATE_NAMES = ("T1", "T2", "T1*", "T2*", "V", "E")
+# Efficacies (eps1 of the reverse-transcriptase inhibitor, eps2 of the protease inhibitor) per action.
+ACTION_EFFICACIES = np.array([[0.0, 0.0], [0.7, 0.0], [0.0, 0.3], [0.7, 0.3]])
+# Published equilibria (Adams et al. 2004), rounded to integers in the paper.
+UNHEALTHY_EQUILIBRIUM = np.array([163573.0, 5.0, 11945.0, 46.0, 63919.0, 24.0])
+HEALTHY_EQUILIBRIUM = np.array([967839.0, 621.0, 76.0, 6.0, 415.0, 353108.0])
+
+
+@dataclass(frozen=True)
+class HIVParameters:
+    """Model constants of the spec (units: cells/ml, copies/ml, days)."""
+
+    l1: float = 1e4
+    d1: float = 0.01
+    k1: float = 8e-7
+    l2: float = 31.98
+    d2: float = 0.01
+    f: float = 0.34
+    k2: float = 1e-4
+    delta: float = 0.7
+    m1: float = 1e-5
+    m2: float = 1e-5
+    NT: float = 100.0
+    c: float = 13.0
+    rho1: float = 1.0
+    rho2: float = 1.0
+    lE: float = 1.0
+    bE: float = 0.3
+    Kb: float = 100.0
+    dE: float = 0.25
+    Kd: float = 500.0
+    deltaE: float = 0.1
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            check_positive(f"hiv.{field.name}", getattr(self, field.name))
+
+
+def hiv_derivatives(y: np.ndarray, eps1: np.ndarray, eps2: np.ndarray, params: HIVParameters = HIVParameters()) -> np.ndarray:
+    """dy/dt for states ``y[n, 6]`` under efficacies ``eps1[n]``, ``eps2[n]``."""
+    p = params
+    T1, T2, I1, I2, V, E = y.T
+    infected = I1 + I2
+    inf1 = (1.0 - eps1) * p.k1 * V * T1
+    inf2 = (1.0 - p.f * eps1) * p.k2 * V * T2
+    out = np.empty_like(y)
+    out[:, 0] = p.l1 - p.d1 * T1 - inf1
+    out[:, 1] = p.l2 - p.d2 * T2 - inf2
+    out[:, 2] = inf1 - p.delta * I1 - p.m1 * E * I1
+    out[:, 3] = inf2 - p.delta * I2 - p.m2 * E * I2
+    out[:, 4] = (1.0 - eps2) * p.NT * p.delta * infected - p.c * V - (p.rho1 * inf1 + p.rho2 * inf2)
+    out[:, 5] = (
+        p.lE
+        + p.bE * infected / (infected + p.Kb) * E
+        - p.dE * infected / (infected + p.Kd) * E
+        - p.deltaE * E
+    )
+    return out
+
+
+def hiv_jacobian(y: np.ndarray, eps1: np.ndarray, eps2: np.ndarray, params: HIVParameters = HIVParameters()) -> np.ndarray:
+    """Analytic d(dy/dt)/dy, ``[n, 6, 6]``."""
+    p = params
+    T1, T2, I1, I2, V, E = y.T
+    a1 = (1.0 - eps1) * p.k1
+    a2 = (1.0 - p.f * eps1) * p.k2
+    infected = I1 + I2
+    J = np.zeros((y.shape[0], 6, 6))
+    J[:, 0, 0] = -p.d1 - a1 * V
+    J[:, 0, 4] = -a1 * T1
+    J[:, 1, 1] = -p.d2 - a2 * V
+    J[:, 1, 4] = -a2 * T2
+    J[:, 2, 0] = a1 * V
+    J[:, 2, 2] = -p.delta - p.m1 * E
+    J[:, 2, 4] = a1 * T1
+    J[:, 2, 5] = -p.m1 * I1
+    J[:, 3, 1] = a2 * V
+    J[:, 3, 3] = -p.delta - p.m2 * E
+    J[:, 3, 4] = a2 * T2
+    J[:, 3, 5] = -p.m2 * I2
+    production = (1.0 - eps2) * p.NT * p.delta
+    J[:, 4, 0] = -p.rho1 * a1 * V
+    J[:, 4, 1] = -p.rho2 * a2 * V
+    J[:, 4, 2] = production
+    J[:, 4, 3] = production
+    J[:, 4, 4] = -p.c - p.rho1 * a1 * T1 - p.rho2 * a2 * T2
+    # d/dI of I/(I + K) is K/(I + K)^2, shared by both infected compartments.
+    dE_dI = (p.bE * p.Kb / (infected + p.Kb) ** 2 - p.dE * p.Kd / (infected + p.Kd) ** 2) * E
+    J[:, 5, 2] = dE_dI
+    J[:, 5, 3] = dE_dI
+    J[:, 5, 5] = p.bE * infected / (infected + p.Kb) - p.dE * infected / (infected + p.Kd) - p.deltaE
+    return J
+
+
+def integrate_scipy(
+    y0: np.ndarray,
+    action: int,
+    duration: float,
+    *,
+    method: str = "LSODA",
+    rtol: float = 1e-10,
+    atol: float = 1e-8,
+    params: HIVParameters = HIVParameters(),
+) -> np.ndarray:
+    """Reference: one patient over ``duration`` days with scipy's ``solve_ivp`` (state space, analytic Jacobian)."""
+    eps = ACTION_EFFICACIES[action]
+    e1, e2 = np.array([eps[0]]), np.array([eps[1]])
+
+    def rhs(_t, y):
+        return hiv_derivatives(y[None], e1, e2, params)[0]
+
+    def jac(_t, y):
+        return hiv_jacobian(y[None], e1, e2, params)[0]
+
+    implicit = {"jac": jac} if method in ("Radau", "BDF", "LSODA") else {}
+    solution = solve_ivp(rhs, (0.0, duration), np.asarray(y0, dtype=float), method=method, rtol=rtol, atol=atol, **implicit)
+    if not solution.success:
+        raise RuntimeError(f"solve_ivp failed: {solution.message}")
+    return solution.y[:, -1]
+
+
+# Rosenbrock parameters of Kaps & Rentrop (1979) as chosen by Shampine (1982): order 4, embedded order 3,
+# A-stable. Same constants as Numerical Recipes' `stiff`; the 4th stage reuses the 3rd stage's derivative.
+_GAM = 0.5
+_A21, _A31, _A32 = 2.0, 48.0 / 25.0, 6.0 / 25.0
+_C21, _C31, _C32 = -8.0, 372.0 / 25.0, 12.0 / 5.0
+_C41, _C42, _C43 = -112.0 / 125.0, -54.0 / 125.0, -2.0 / 5.0
+_B1, _B2, _B3, _B4 = 19.0 / 9.0, 1.0 / 2.0, 25.0 / 108.0, 125.0 / 108.0
+_E1, _E2, _E3, _E4 = 17.0 / 54.0, 7.0 / 36.0, 0.0, 125.0 / 108.0
+
+
+class HIVVectorSimulator:
+    """``n_patients`` independent patients advanced together, one treatment interval per ``step``.
+
+    ``tolerance`` bounds the local error of each patient's log-state per Rosenbrock step (a relative error on
+    every cell count); the tests check the result against Radau at rtol 1e-10.
+    """
+
+    def __init__(
+        self,
+        n_patients: int,
+        *,
+        treatment_interval: float = 5.0,
+        R1: float = 20000.0,
+        R2: float = 2000.0,
+        Q: float = 0.1,
+        S: float = 1000.0,
+        efficacy_noise: float = 0.0,
+        tolerance: float = 1e-6,
+        params: HIVParameters = HIVParameters(),
+        max_iterations: int = 100_000,
+    ):
+        if int(n_patients) != n_patients or n_patients < 1:
+            raise ValidationError("n_patients", f"must be a positive integer, got {n_patients!r}")
+        self.n_patients = int(n_patients)
+        self.treatment_interval = check_positive("treatment_interval", treatment_interval)
+        # Reward weights and the efficacy noise may differ between patients (one setting per patient).
+        self.R1 = self._per_patient("R1", R1)
+        self.R2 = self._per_patient("R2", R2)
+        self.Q = check_positive("Q", Q, allow_zero=True)
+        self.S = check_positive("S", S, allow_zero=True)
+        self.efficacy_noise = self._per_patient("efficacy_noise", efficacy_noise)
+        self.tolerance = check_positive("tolerance", tolerance)
+        self.params = params
+        self.max_iterations = max_iterations
+        self._log_state = np.zeros((self.n_patients, 6))
+        # Last accepted step size of each patient: the next interval starts from it (saves rejected steps).
+        self._step_size = np.full(self.n_patients, 0.1)
+        self.last_stats: dict[str, int] = {}
+        self.reset()
+
+    def _per_patient(self, field: str, value: Any) -> float | np.ndarray:
+        """A non-negative scalar, or one value per patient."""
+        array = np.asarray(value, dtype=float)
+        if array.shape not in ((), (self.n_patients,)):
+            raise ValidationError(field, f"expected a number or {self.n_patients} values, got shape {array.shape}")
+        if not np.all(np.isfinite(array)) or np.any(array < 0):
+            raise ValidationError(field, f"must be finite and >= 0, got {value!r}")
+        return float(array) if array.ndim == 0 else array
+
+    # ----------------------------------------------------------------------------------------------- state
+    @property
+    def state(self) -> np.ndarray:
+        """Cell counts ``[n, 6]`` (a copy)."""
+        return np.exp(self._log_state)
+
+    def observation(self) -> np.ndarray:
+        """log10 of the state, float32 ``[n, 6]``."""
+        return (self._log_state / np.log(10.0)).astype(np.float32)
+
+    def reset(self, initial_state: np.ndarray | None = None, patients: np.ndarray | None = None) -> None:
+        """Put ``patients`` (bool mask or indices; all if None) at ``initial_state`` (default: unhealthy)."""
+        init = UNHEALTHY_EQUILIBRIUM if initial_state is None else np.asarray(initial_state, dtype=float)
+        if init.shape not in ((6,), (self.n_patients, 6)) or not np.all(np.isfinite(init)) or np.any(init <= 0):
+            raise ValidationError("initial_state", f"expected positive finite values of shape (6,) or ({self.n_patients}, 6)")
+        index = slice(None) if patients is None else patients
+        values = np.log(init) if init.ndim == 1 else np.log(init)[index]
+        self._log_state[index] = values
+        self._step_size[index] = 0.1
+
+    # ------------------------------------------------------------------------------------------------ step
+    def efficacies(self, actions: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Applied (eps1, eps2) ``[n, 2]``: the action's nominal efficacies, plus N(0, efficacy_noise^2) on each
+        administered drug (clipped to [0, 1]; a drug not given stays at 0)."""
+        nominal = ACTION_EFFICACIES[actions]
+        if np.all(self.efficacy_noise == 0.0):
+            return nominal
+        if rng is None:
+            raise ValidationError("rng", "efficacy_noise > 0 needs a numpy Generator")
+        noisy = nominal + np.reshape(self.efficacy_noise, (-1, 1)) * rng.standard_normal(nominal.shape)
+        return np.where(nominal > 0, np.clip(noisy, 0.0, 1.0), 0.0)
+
+    def step(self, actions: Any, rng: np.random.Generator | None = None, active: np.ndarray | None = None) -> np.ndarray:
+        """Advance patients by one treatment interval under ``actions[n]``; returns rewards ``[n]`` (float64).
+
+        ``active`` (bool ``[n]``) limits the step to some patients; the others keep their state and get reward 0.
+        """
+        actions = np.asarray(actions)
+        if actions.shape != (self.n_patients,):
+            raise ValidationError("actions", f"expected shape ({self.n_patients},), got {actions.shape}")
+        check_int_range("actions", actions, 0, 4)
+        actions = actions.astype(np.int64)
+        active = np.ones(self.n_patients, dtype=bool) if active is None else np.asarray(active, dtype=bool)
+        eps = self.efficacies(actions, rng)
+        index = np.flatnonzero(active)
+        self._log_state[index] = self._integrate(self._log_state[index], eps[index, 0], eps[index, 1], index)
+        nominal = ACTION_EFFICACIES[actions]
+        y = self.state
+        reward = -(self.Q * y[:, 4] + self.R1 * nominal[:, 0] ** 2 + self.R2 * nominal[:, 1] ** 2 - self.S * y[:, 5])
+        return np.where(active, reward, 0.0)
+
+    def _integrate(self, x: np.ndarray, e1: np.ndarray, e2: np.ndarray, patient_index: np.ndarray) -> np.ndarray:
+        """Adaptive Rosenbrock on the log-state ``x[m, 6]`` of the given patients over one treatment interval."""
+        duration = self.treatment_interval
+        x = np.ascontiguousarray(x.T)  # component-major [6, m]: every component is a contiguous row
+        t = np.zeros(x.shape[1])
+        h = np.minimum(self._step_size[patient_index], duration)
+        todo = np.arange(x.shape[1])  # patients not yet at the end of the interval
+        accepted = rejected = iterations = 0
+        while todo.size:
+            iterations += 1
+            if iterations > self.max_iterations:
+                raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
+            xs, a1, a2 = x[:, todo], e1[todo], e2[todo]
+            hs = np.minimum(h[todo], duration - t[todo])
+            g0, terms = _log_rates(xs, a1, a2, self.params)
+            solve = _RosenbrockSolver(terms, 1.0 / (_GAM * hs), self.params)
+            inv_h = 1.0 / hs
+            k1 = solve(g0)
+            g1 = _log_rates(xs + _A21 * k1, a1, a2, self.params)[0]
+            k2 = solve(g1 + (_C21 * inv_h) * k1)
+            g2 = _log_rates(xs + _A31 * k1 + _A32 * k2, a1, a2, self.params)[0]
+            k3 = solve(g2 + inv_h * (_C31 * k1 + _C32 * k2))
+            k4 = solve(g2 + inv_h * (_C41 * k1 + _C42 * k2 + _C43 * k3))
+            x_new = xs + _B1 * k1 + _B2 * k2 + _B3 * k3 + _B4 * k4
+            error = np.abs(_E1 * k1 + _E2 * k2 + _E4 * k4).max(axis=0) / self.tolerance  # _E3 = 0
+            error = np.where(np.isfinite(error) & np.all(np.isfinite(x_new), axis=0), error, np.inf)
+            ok = error <= 1.0
+            # Standard controller: grow by err^(-1/4) (order 4) after success, shrink by err^(-1/3) after failure.
+            with np.errstate(divide="ignore"):
+                grow = np.clip(0.9 * error ** -0.25, 0.2, 5.0)
+                shrink = np.clip(0.9 * error ** (-1.0 / 3.0), 0.1, 0.5)
+            done = todo[ok]
+            x[:, done] = x_new[:, ok]
+            t[done] += hs[ok]
+            # A step shortened to land on the interval's end says little about the step size to use next.
+            shortened = hs < h[todo]
+            h[todo] = np.where(ok, np.maximum(hs * grow, np.where(shortened, h[todo], 0.0)), hs * shrink)
+            if np.any(h[todo] < 1e-12 * duration):
+                raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
+            accepted += int(ok.sum())
+            rejected += int(ok.size - ok.sum())
+            todo = todo[t[todo] < duration * (1.0 - 1e-12)]
+        self._step_size[patient_index] = h
+        self.last_stats = {"accepted": accepted, "rejected": rejected, "iterations": iterations}
+        return x.T
+
+
+def _log_rates(x: np.ndarray, e1: np.ndarray, e2: np.ndarray, p: HIVParameters) -> tuple[np.ndarray, dict]:
+    """d(log y)/dt for log-states ``x[6, m]`` (component-major), and the terms the Jacobian reuses."""
+    y = np.exp(x)
+    T1, T2, I1, I2, V, E = y
+    a1 = (1.0 - e1) * p.k1
+    a2 = (1.0 - p.f * e1) * p.k2
+    production = (1.0 - e2) * (p.NT * p.delta)
+    infected = I1 + I2
+    a1V, a2V = a1 * V, a2 * V  # infection rate per healthy cell
+    u1, u2 = a1V * T1 / I1, a2V * T2 / I2  # new infected cells per infected cell
+    frac_b, frac_d = infected / (infected + p.Kb), infected / (infected + p.Kd)
+    rates = np.empty_like(x)
+    rates[0] = p.l1 / T1 - p.d1 - a1V
+    rates[1] = p.l2 / T2 - p.d2 - a2V
+    rates[2] = u1 - p.delta - p.m1 * E
+    rates[3] = u2 - p.delta - p.m2 * E
+    rates[4] = production * infected / V - p.c - p.rho1 * a1 * T1 - p.rho2 * a2 * T2
+    rates[5] = p.lE / E + p.bE * frac_b - p.dE * frac_d - p.deltaE
+    terms = dict(y=y, a1=a1, a2=a2, a1V=a1V, a2V=a2V, u1=u1, u2=u2, production=production, infected=infected)
+    return rates, terms
+
+
+class _RosenbrockSolver:
+    """Solves (s I - G) k = b for every patient, G = d(log-rates)/d(log-state), by block elimination.
+
+    G's sparsity (T1, T2 couple only to V; T1*, T2* to their T, V and E; V to everything but E; E to T1*, T2*)
+    leaves a 2x2 system in (V, E) after eliminating T1, T2, T1*, T2*. The eliminated pivots
+    s + l1/T1, s + l2/T2, s + u1, s + u2 are all > s > 0, so no pivoting is needed. A test checks the result
+    against a dense solve built from ``hiv_jacobian``.
+    """
+
+    def __init__(self, terms: dict, s: np.ndarray, p: HIVParameters):
+        T1, T2, I1, I2, V, E = terms["y"]
+        u1, u2 = terms["u1"], terms["u2"]
+        infected = terms["infected"]
+        # Nonzero entries m_ij of M = s I - G (derived from G_ij = J_ij y_j / y_i - delta_ij f_i / y_i).
+        self.inv00 = 1.0 / (s + p.l1 / T1)
+        self.inv11 = 1.0 / (s + p.l2 / T2)
+        self.inv22 = 1.0 / (s + u1)
+        self.inv33 = 1.0 / (s + u2)
+        self.u1, self.u2 = u1, u2  # m20 = m24 = -u1, m31 = m34 = -u2
+        self.m40 = p.rho1 * terms["a1"] * T1
+        self.m41 = p.rho2 * terms["a2"] * T2
+        self.m42 = -terms["production"] * I1 / V
+        self.m43 = -terms["production"] * I2 / V
+        m44 = s + terms["production"] * infected / V
+        saturation = p.bE * p.Kb / (infected + p.Kb) ** 2 - p.dE * p.Kd / (infected + p.Kd) ** 2
+        self.m52, self.m53 = -saturation * I1, -saturation * I2
+        m55 = s + p.lE / E
+        # x0 = p0 + q0 x4, x1 = p1 + q1 x4, x2 = p2 + q2 x4 + r2 x5, x3 = p3 + q3 x4 + r3 x5.
+        self.q0 = -terms["a1V"] * self.inv00
+        self.q1 = -terms["a2V"] * self.inv11
+        self.q2 = u1 * (1.0 + self.q0) * self.inv22
+        self.q3 = u2 * (1.0 + self.q1) * self.inv33
+        self.r2 = -p.m1 * E * self.inv22
+        self.r3 = -p.m2 * E * self.inv33
+        # 2x2 system in (x4, x5): [A B; C D].
+        self.A = self.m40 * self.q0 + self.m41 * self.q1 + self.m42 * self.q2 + self.m43 * self.q3 + m44
+        self.B = self.m42 * self.r2 + self.m43 * self.r3
+        self.C = self.m52 * self.q2 + self.m53 * self.q3
+        self.D = self.m52 * self.r2 + self.m53 * self.r3 + m55
+        self.inv_det = 1.0 / (self.A * self.D - self.B * self.C)
+
+    def __call__(self, b: np.ndarray) -> np.ndarray:
+        p0 = b[0] * self.inv00
+        p1 = b[1] * self.inv11
+        p2 = (b[2] + self.u1 * p0) * self.inv22
+        p3 = (b[3] + self.u2 * p1) * self.inv33
+        c4 = b[4] - self.m40 * p0 - self.m41 * p1 - self.m42 * p2 - self.m43 * p3
+        c5 = b[5] - self.m52 * p2 - self.m53 * p3
+        x = np.empty_like(b)
+        x[4] = x4 = (c4 * self.D - self.B * c5) * self.inv_det
+        x[5] = x5 = (self.A * c5 - self.C * c4) * self.inv_det
+        x[0] = p0 + self.q0 * x4
+        x[1] = p1 + self.q1 * x4
+        x[2] = p2 + self.q2 * x4 + self.r2 * x5
+        x[3] = p3 + self.q3 * x4 + self.r3 * x5
+        return x
+
+
+class HIVTreatmentEnv(gym.Env):
+    """One patient (``dporl/HIVTreatment-v0``). Never terminates; truncated after ``horizon`` treatment intervals.
+
+    Defaults are the classic setting (5-day intervals x 200 steps); the expert-level paper used 20 days x 50 steps.
+    ``efficacy_noise`` is the standard deviation of the Gaussian noise on each administered drug's efficacy
+    (the paper's variation used 0.01); the reward charges the nominal dose.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        treatment_interval: float = 5.0,
+        horizon: int = 200,
+        R1: float = 20000.0,
+        R2: float = 2000.0,
+        efficacy_noise: float = 0.0,
+        tolerance: float = 1e-5,
+        render_mode: str | None = None,
+    ):
+        self.horizon = _check_horizon(horizon)
+        self.simulator = HIVVectorSimulator(
+            1, treatment_interval=treatment_interval, R1=R1, R2=R2, efficacy_noise=efficacy_noise, tolerance=tolerance
+        )
+        self.observation_space = _observation_space()
+        self.action_space = spaces.Discrete(4)
+        self.render_mode = render_mode
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.simulator.reset()
+        self._t = 0
+        return self.simulator.observation()[0], {}
+
+    def step(self, action):
+        reward = self.simulator.step(np.array([int(action)]), rng=self.np_random)[0]
+        self._t += 1
+        return self.simulator.observation()[0], float(reward), False, self._t >= self.horizon, {}
+
+
+class HIVVectorEnv(VectorEnv):
+    """``num_envs`` patients in one ``HIVVectorSimulator`` (next-step autoreset, like Gymnasium's CartPole)."""
+
+    metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
+
+    def __init__(
+        self,
+        num_envs: int = 1,
+        treatment_interval: float = 5.0,
+        horizon: int = 200,
+        R1: float = 20000.0,
+        R2: float = 2000.0,
+        efficacy_noise: float = 0.0,
+        tolerance: float = 1e-5,
+        render_mode: str | None = None,
+    ):
+        self.num_envs = int(num_envs)
+        self.horizon = _check_horizon(horizon)
+        self.simulator = HIVVectorSimulator(
+            num_envs, treatment_interval=treatment_interval, R1=R1, R2=R2, efficacy_noise=efficacy_noise,
+            tolerance=tolerance,
+        )
+        self.single_observation_space = _observation_space()
+        self.single_action_space = spaces.Discrete(4)
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.render_mode = render_mode
+        self._t = np.zeros(self.num_envs, dtype=np.int64)
+        self._needs_reset = np.zeros(self.num_envs, dtype=bool)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self.simulator.reset()
+        self._t[:] = 0
+        self._needs_reset[:] = False
+        return self.simulator.observation(), {}
+
+    def step(self, actions):
+        actions = np.asarray(actions)
+        restart = self._needs_reset.copy()
+        if restart.any():  # sub-environments that ended last step start over; their action is ignored
+            self.simulator.reset(patients=restart)
+            self._t[restart] = 0
+            actions = np.where(restart, 0, actions)
+        rewards = self.simulator.step(actions, rng=self.np_random, active=~restart)
+        self._t[~restart] += 1
+        truncated = ~restart & (self._t >= self.horizon)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        self._needs_reset = truncated.copy()
+        return self.simulator.observation(), rewards, terminated, truncated, {}
+
+
+def _observation_space() -> spaces.Box:
+    # log10 cell counts. The model keeps every count within (1e-10, 1e10) (T1 <= l1/d1 = 1e6, T2 <= l2/d2 ~ 3e3,
+    # and V, E, T1*, T2* are driven by those); finite bounds keep Gymnasium's checker and space-based tools happy.
+    return spaces.Box(-10.0, 10.0, shape=(6,), dtype=np.float32)
+
+
+def _check_horizon(horizon: int) -> int:
+    if int(horizon) != horizon or horizon < 1:
+        raise ValidationError("horizon", f"must be a positive integer, got {horizon!r}")
+    return int(horizon)
