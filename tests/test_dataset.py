@@ -643,3 +643,39 @@ def test_property_replaced_member_raises_validation_error_only(tmp_path, dataset
     except ValidationError:
         return
     assert isinstance(loaded, TrajectoryDataset)
+
+
+@_PROPERTY_SETTINGS
+@given(dataset=random_datasets(), data=st.data())
+def test_property_views_match_episode_slices(dataset, data):
+    """transitions(), padded() and fragments() of random datasets (any obs shape, incl. scalars) agree with
+    slicing each episode() by hand."""
+    episodes = [dataset.episode(i) for i in range(dataset.n_episodes)]
+    transitions = dataset.transitions()
+    padded = dataset.padded()
+    position = 0
+    for i, ep in enumerate(episodes):
+        length = len(ep["actions"])
+        rows = slice(position, position + length)
+        np.testing.assert_array_equal(transitions.obs[rows], ep["observations"][:-1])
+        np.testing.assert_array_equal(transitions.next_obs[rows], ep["observations"][1:])
+        assert transitions.timesteps[rows].tolist() == list(range(ep["start_step"], ep["start_step"] + length))
+        np.testing.assert_array_equal(padded.observations[i, : length + 1].numpy(), ep["observations"])
+        np.testing.assert_array_equal(padded.actions[i, :length].numpy(), ep["actions"])
+        assert int(padded.mask[i].sum()) == length
+        position += length
+    if not episodes:
+        return
+    ids = np.array(data.draw(st.lists(st.integers(0, dataset.n_episodes - 1), min_size=1, max_size=5)))
+    lengths = dataset.episode_lengths[ids]
+    starts = np.array([data.draw(st.integers(0, int(n) - 1)) for n in lengths])
+    ends = np.array([data.draw(st.integers(int(s) + 1, int(n))) for s, n in zip(starts, lengths)])
+    pieces = dataset.fragments(ids, starts, ends)
+    for j, (e, s, t) in enumerate(zip(ids, starts, ends)):
+        piece, whole = pieces.episode(j), episodes[e]
+        np.testing.assert_array_equal(piece["observations"], whole["observations"][s : t + 1])
+        np.testing.assert_array_equal(piece["rewards"], whole["rewards"][s:t])
+        assert piece["start_step"] == whole["start_step"] + s
+        reaches_end = t == len(whole["actions"])
+        assert piece["terminated"] == (whole["terminated"] and reaches_end)
+        assert piece["truncated"] == (whole["truncated"] if reaches_end else True)
