@@ -144,3 +144,17 @@ def test_bad_inputs_name_their_field():
         FunctionalNoise(2, [0.0, 1.0], [1.0, 1.0], sigma=1.0, beta=1.0)
     with pytest.raises(ValidationError, match="points"):
         OrnsteinUhlenbeckPath(1.0, 1.0, NoiseSource(0))(torch.tensor([0.1, float("nan")]))
+
+
+def test_block_update_equals_one_point_at_a_time_and_tolerates_near_duplicates():
+    generator = torch.Generator().manual_seed(6)
+    points = torch.rand(15, 2, generator=generator, dtype=torch.float64)
+    ordered = torch.tensor(sorted(points.tolist()), dtype=torch.float64)  # the path's (lexicographic) order
+    batch, single = LaplaceKernelPath(2, 1.0, 3.0, NoiseSource(8)), LaplaceKernelPath(2, 1.0, 3.0, NoiseSource(8))
+    values = batch(ordered)
+    one_by_one = torch.stack([single(p.unsqueeze(0))[0] for p in ordered])
+    assert torch.allclose(values, one_by_one, atol=1e-10)
+    # Points 1e-14 apart are determined by each other: answered by the conditional mean, stored once.
+    twins = torch.tensor([[0.3, 0.3], [0.3, 0.3 + 1e-14]], dtype=torch.float64)
+    out = batch(twins)
+    assert abs(float(out[0] - out[1])) < 1e-6 and batch.n_points == 16

@@ -17,7 +17,9 @@ Kernel K(x, y) = exp(-beta ||x - y||_1) on states scaled to [0, 1]^d (the caller
   O(log n) comparisons per new point (the insertion itself is a memmove of n pointers, negligible up to ~1e6).
 * d > 1 (``LaplaceKernelPath``): no Markov shortcut. Exact conditioning on every stored point of the current
   window through an incrementally grown Cholesky factor L of K(X, X): a new point costs one triangular solve,
-  O(n^2). The window stays small because Algorithm 1 resets its paths every T / (J B) iterations.
+  O(n^2); a batch of m new points is one block update (one triangular solve with m right-hand sides and an
+  m x m Cholesky of their joint conditional covariance), which is the same sequential conditioning in sorted
+  order. The window stays small because Algorithm 1 resets its paths every T / (J B) iterations.
 
 Batched queries: unique points are processed in sorted order, each conditioned on everything stored before it
 (including earlier points of the same batch), which is exact sequential sampling of the joint conditional law;
@@ -207,17 +209,49 @@ class LaplaceKernelPath(_PathBase):
     def _values(self, keys: list[tuple[float, ...]]) -> dict[tuple[float, ...], float]:
         points = sorted(set(keys))
         new = [p for p in points if p not in self._stored]
-        draws = self.noise.gaussian(len(new), 1.0, dtype=torch.float64).tolist() if new else []
-        results = {p: self._stored[p] for p in points if p in self._stored}
+        draws = self.noise.gaussian(len(new), 1.0, dtype=torch.float64) if new else None
+        if new and not self._append_block(new, draws):
+            self._append_sequential(new, draws.tolist())
+        return {p: self._stored[p] if p in self._stored else self.conditional(p)[0] for p in points}
+
+    def _append_block(self, new: list[tuple[float, ...]], draws: torch.Tensor) -> bool:
+        """All new points at once: the Cholesky factor of their joint conditional covariance, in sorted order, is
+        sequential conditioning in that order, so this equals ``_append_sequential`` up to rounding. Returns False
+        (appending nothing) when some point is determined by the others; the sequential path then skips it."""
+        n, m = self._n, len(new)
+        x_new = torch.tensor(new, dtype=torch.float64)
+        cov = torch.exp(-self.beta * torch.cdist(x_new, x_new, p=1))
+        if n:
+            cross = torch.exp(-self.beta * torch.cdist(self._x[:n], x_new, p=1))
+            w = torch.linalg.solve_triangular(self._chol[:n, :n], cross, upper=False)  # [n, m]
+            mean = self.sigma * (w.T @ self._white[:n])
+            cov = cov - w.T @ w
+        else:
+            w, mean = torch.empty(0, m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+        block, info = torch.linalg.cholesky_ex(cov)
+        if int(info) != 0 or float(block.diagonal().min()) ** 2 <= _DETERMINED_VARIANCE:
+            return False
+        while n + m > self._x.shape[0]:
+            self._grow()
+        values = mean + self.sigma * (block @ draws)
+        self._x[n : n + m] = x_new
+        self._chol[n : n + m, :n] = w.T
+        self._chol[n : n + m, n : n + m] = block
+        self._white[n : n + m] = draws
+        self._g[n : n + m] = values
+        self._n = n + m
+        self._stored.update(zip(new, values.tolist()))
+        return True
+
+    def _append_sequential(self, new: list[tuple[float, ...]], draws: list[float]) -> None:
         for key, z in zip(new, draws):
             x = torch.tensor(key, dtype=torch.float64)
             n = self._n
             w = self._solve(x) if n else torch.empty(0, dtype=torch.float64)
             residual = 1.0 - float(w @ w)
-            mean = self.sigma * float(w @ self._white[:n]) if n else 0.0
             if residual <= _DETERMINED_VARIANCE:
-                results[key] = mean
-                continue
+                continue  # determined by its neighbours: answered by its conditional mean, not stored
+            mean = self.sigma * float(w @ self._white[:n]) if n else 0.0
             if n == self._x.shape[0]:
                 self._grow()
             diag = math.sqrt(residual)
@@ -229,8 +263,6 @@ class LaplaceKernelPath(_PathBase):
             self._g[n] = value
             self._n = n + 1
             self._stored[key] = value
-            results[key] = value
-        return results
 
     def state_dict(self) -> dict[str, Any]:
         n = self._n
