@@ -40,7 +40,8 @@ def _with_rich_metadata(dataset):
 
 
 @pytest.mark.parametrize("log_probs", [True, False])
-def test_export_import_round_trip(minari_root, log_probs):
+def test_export_import_round_trip(minari_root, monkeypatch, log_probs):
+    monkeypatch.setattr(minari_io, "_WRITE_CHUNK", 4)  # 7 episodes: the first chunk, then appended chunks
     dataset, _ = make_dataset(seed=30, n_episodes=6, log_probs=log_probs)
     dataset = _with_rich_metadata(dataset)
     longest = int(np.argmax(dataset.episode_lengths))
@@ -56,6 +57,16 @@ def test_export_import_round_trip(minari_root, log_probs):
     # nothing but the dataset and its namespace is left in the root (no staging directory)
     assert sorted(os.listdir(minari_root)) == ["dporl"]
     assert "dporl/roundtrip-v0" in minari.list_local_datasets()  # Minari itself sees a complete dataset
+
+
+def test_empty_and_unfragmented_datasets_round_trip():
+    empty = TrajectoryDataset.from_episodes([], DatasetMetadata("E-v0", 2, 3, (4,)))
+    export_minari(empty, "empty-v0", progress=False)
+    assert_same_dataset(import_minari("empty-v0", progress=False), empty)
+    whole, _ = make_dataset(seed=38, n_episodes=3)  # all start steps 0: no start_step info is written
+    exported = export_minari(whole, "whole-v0")
+    assert "start_step" not in next(exported.iterate_episodes()).infos
+    assert_same_dataset(import_minari("whole-v0"), whole)
 
 
 def test_export_to_explicit_root_and_no_overwrite(tmp_path):

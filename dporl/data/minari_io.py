@@ -4,7 +4,8 @@ Minari episodes have ``L + 1`` observations and ``L + 1`` info entries (entry 0 
 from the step that took action ``a_t``). dporl stores its per-episode fields in the infos:
 
     expert_id          [L+1] int64, constant over the episode (the privacy unit: which expert logged it)
-    start_step         [L+1] int64, constant (time index of the first transition; non-zero for fragments)
+    start_step         [L+1] int64, constant (time index of the first transition; only written when some episode
+                       is a fragment, 0 when absent)
     behavior_log_prob  [L+1] float32, entry t+1 = log pi_b(a_t | s_t), entry 0 = NaN (reset has no action)
 
 and the full ``DatasetMetadata`` as JSON under the Minari metadata key ``dporl_metadata``, so an export followed by
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 from dporl.utils.validation import ValidationError
@@ -42,6 +44,8 @@ DPORL_METADATA_KEY = "dporl_metadata"
 EXPERT_ID_INFO = "expert_id"
 START_STEP_INFO = "start_step"
 BEHAVIOR_LOG_PROB_INFO = "behavior_log_prob"
+# Minari writes one HDF5 group per episode (milliseconds each); episodes go in chunks so progress can be shown.
+_WRITE_CHUNK = 256
 
 
 @contextlib.contextmanager
@@ -92,6 +96,7 @@ def export_minari(
     author_email: Optional[str] = None,
     code_permalink: Optional[str] = None,
     description: Optional[str] = None,
+    progress: bool = True,
 ) -> "minari.MinariDataset":
     """Write ``dataset`` as the local Minari dataset ``dataset_id`` (which must not exist yet) and open it.
 
@@ -113,12 +118,14 @@ def export_minari(
             f"dporl TrajectoryDataset: {dataset.n_episodes} episodes of {meta.env_id} logged by "
             f"{meta.n_experts} experts; infos carry '{EXPERT_ID_INFO}' (the privacy unit)"
         )
+    buffers = _episode_buffers(dataset)
+    bar = tqdm(total=len(buffers), desc=f"export {dataset_id}", unit="episode", disable=not progress)
     staging = Path(tempfile.mkdtemp(prefix=".dporl-export-", dir=final_root))
     try:
         with _minari_root(staging):
             written = minari.create_dataset_from_buffers(
                 dataset_id,
-                _episode_buffers(dataset),
+                buffers[:_WRITE_CHUNK],
                 env=env,
                 algorithm_name=algorithm_name,
                 author=author,
@@ -128,6 +135,10 @@ def export_minari(
                 observation_space=observation_space,
                 action_space=action_space,
             )
+            bar.update(min(len(buffers), _WRITE_CHUNK))
+            for start in range(_WRITE_CHUNK, len(buffers), _WRITE_CHUNK):
+                written.storage.update_episodes(buffers[start : start + _WRITE_CHUNK])
+                bar.update(len(buffers[start : start + _WRITE_CHUNK]))
             written.storage.update_metadata({DPORL_METADATA_KEY: json.dumps(meta.to_dict(), sort_keys=True)})
         if namespace is not None:
             with _minari_root(final_root):
@@ -138,6 +149,7 @@ def export_minari(
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging / dataset_id, target)  # one rename: the dataset appears complete or not at all
     finally:
+        bar.close()
         shutil.rmtree(staging, ignore_errors=True)
     return minari.MinariDataset(target / "data")
 
@@ -156,12 +168,13 @@ def _episode_buffers(dataset: TrajectoryDataset) -> list:
     log_probs = None
     if dataset.behavior_log_probs is not None:
         log_probs = split(dataset.behavior_log_probs, cut_transitions)
+    # start steps are written only when some episode is a fragment (each info is one more HDF5 dataset per episode)
+    with_start_steps = bool(np.any(dataset.start_steps))
     buffers = []
     for e in range(dataset.n_episodes):
-        infos = {
-            EXPERT_ID_INFO: np.full(lengths[e] + 1, dataset.expert_ids[e], dtype=np.int64),
-            START_STEP_INFO: np.full(lengths[e] + 1, dataset.start_steps[e], dtype=np.int64),
-        }
+        infos = {EXPERT_ID_INFO: np.full(lengths[e] + 1, dataset.expert_ids[e], dtype=np.int64)}
+        if with_start_steps:
+            infos[START_STEP_INFO] = np.full(lengths[e] + 1, dataset.start_steps[e], dtype=np.int64)
         if log_probs is not None:
             infos[BEHAVIOR_LOG_PROB_INFO] = np.concatenate([[np.nan], log_probs[e]]).astype(np.float32)
         buffers.append(
@@ -186,6 +199,7 @@ def import_minari(
     n_experts: Optional[int] = None,
     metadata: Optional[DatasetMetadata] = None,
     behavior_log_prob_key: Optional[str] = BEHAVIOR_LOG_PROB_INFO,
+    progress: bool = True,
 ) -> TrajectoryDataset:
     """Read a local Minari dataset (an id under ``root``, or the path of a dataset / its ``data`` directory).
 
@@ -195,7 +209,9 @@ def import_minari(
     ``behavior_log_prob_key`` (None to skip): info key of behaviour log-probabilities, step-aligned as above.
     """
     data = _open(source, root)
-    episodes = list(data.storage.get_episodes(data.episode_indices))
+    indices = data.episode_indices
+    reader = data.storage.get_episodes(indices)  # a generator: one HDF5 read per episode
+    episodes = list(tqdm(reader, total=len(indices), desc="import Minari", unit="episode", disable=not progress))
     stored = data.storage.metadata.get(DPORL_METADATA_KEY)
     if metadata is None and stored is not None:
         if n_experts is not None:
