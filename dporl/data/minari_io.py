@@ -50,7 +50,10 @@ _WRITE_CHUNK = 256
 
 @contextlib.contextmanager
 def _minari_root(root: Path) -> Iterator[None]:
-    """Point Minari (which reads its root from the environment on every call) at ``root`` for a while."""
+    """Point Minari (which reads its root from the environment on every call) at ``root`` for a while.
+
+    The environment is process-wide: do not run exports/imports concurrently in threads of one process.
+    """
     previous = os.environ.get("MINARI_DATASETS_PATH")
     os.environ["MINARI_DATASETS_PATH"] = str(root)
     try:
@@ -159,7 +162,10 @@ def _episode_buffers(dataset: TrajectoryDataset) -> list:
     lengths = dataset.episode_lengths
     cut_transitions = np.cumsum(lengths)[:-1]
     cut_observations = cut_transitions + np.arange(1, dataset.n_episodes)
-    split = lambda values, cuts: np.split(values, cuts) if dataset.n_episodes else []  # noqa: E731
+
+    def split(values: np.ndarray, cuts: np.ndarray) -> list:
+        return np.split(values, cuts) if dataset.n_episodes else []
+
     observations = split(dataset.observations, cut_observations)
     actions = split(dataset.actions, cut_transitions)
     rewards = split(dataset.rewards, cut_transitions)
