@@ -7,6 +7,7 @@ error names the dotted field path.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -106,7 +107,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             return value
         raise ValidationError(path, f"expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
             raise ValidationError(path, f"expected an integer, got {value!r}")
         return int(value)
     if tp is float:
