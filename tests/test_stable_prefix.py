@@ -239,3 +239,22 @@ def test_release_saves_inspectable_outputs(world, tmp_path):
     assert stable.n_transitions == out.stable.n_transitions
     assert TrajectoryDataset.load(tmp_path / "d_unstable.npz").n_transitions == out.unstable.n_transitions
     assert (tmp_path / "release.json").exists()
+
+
+def test_unstable_part_cuts_every_episode_that_starts_with_a_released_prefix():
+    """D_unstable is a per-episode function of (D, D_stable): an identical copy of a source episode (another
+    expert's) loses the same prefix, so neighbouring datasets give D_unstable sets differing in one expert only."""
+    from dporl.algos.stable_prefix import unstable_remainder
+
+    experts = make_experts(3, spread=0.0)
+    data = make_dataset(experts, per_expert=1, length=6)
+    episodes = [data.episode(i) for i in range(3)]
+    episodes[2] = {**episodes[0], "expert_id": 2}  # expert 2 logged exactly expert 0's episode
+    data = TrajectoryDataset.from_episodes(episodes, data.metadata)
+    rest = unstable_remainder(data, np.array([0]), np.array([4]))
+    np.testing.assert_array_equal(rest.episode_lengths, [2, 6, 2])
+    np.testing.assert_array_equal(rest.start_steps, [4, 0, 4])
+    np.testing.assert_array_equal(rest.expert_ids, [0, 1, 2])
+    whole = unstable_remainder(data, np.array([1, 0]), np.array([6, 2]))  # a fully released episode disappears
+    np.testing.assert_array_equal(whole.expert_ids, [0, 2])
+    np.testing.assert_array_equal(whole.start_steps, [2, 2])

@@ -8,7 +8,8 @@ Privacy unit: one expert (add/remove an expert with its policy and all its traje
 3. prefix queries q_k = sum_i prod_{t<=k} pi_i(a_t | s_t) are answered, fresh Lap(b) each, while
    q_k + Lap(b) >= G_hat;
 4. the longest passing prefix (possibly empty) goes to D_stable; its tail and every unprocessed trajectory go to
-   D_unstable.
+   D_unstable (computed from the content of D_stable, see ``unstable_remainder``, so that private training on it
+   composes with the release).
 
 Each run is (2 eps', beta)-DP with G = G0 / p_min + t_beta (``dporl.privacy.sparse_vector.stable_prefix_budget``);
 the T runs are recorded as T such events in the ledger stage ``"release"`` and composed there (PLD).
@@ -71,7 +72,7 @@ class StablePrefixConfig:
 @dataclass
 class StablePrefixRelease:
     stable: TrajectoryDataset  # released prefixes (no expert ids, no behaviour probabilities)
-    unstable: TrajectoryDataset  # tails + unprocessed trajectories, with expert ids: private training only
+    unstable: TrajectoryDataset  # logged data minus released prefixes, with expert ids: private training only
     budget: StablePrefixBudget
     # Curator-side diagnostics (not released): the input episode of each run (-1: its expert had none left),
     # the released length of each run, and the number of states shown to the experts (x m evaluations).
@@ -210,17 +211,40 @@ def release_stable_prefixes(
             dataset, expert_set, episodes[processed], noisy_threshold[torch.as_tensor(processed)], budget, noise, config
         )
 
-    used = episodes[processed]
-    kept = lengths[processed]
-    full = dataset.episode_lengths[used]
-    has_prefix = kept > 0
-    stable = dataset.fragments(used[has_prefix], np.zeros(int(has_prefix.sum()), dtype=np.int64), kept[has_prefix])
+    released = processed & (lengths > 0)
+    stable = dataset.fragments(episodes[released], np.zeros(int(released.sum()), dtype=np.int64), lengths[released])
     stable = stable.with_identities_removed(_public_metadata(dataset.metadata, budget))
-    has_tail = kept < full
-    tails = dataset.fragments(used[has_tail], kept[has_tail], full[has_tail])
-    untouched = np.setdiff1d(np.arange(dataset.n_episodes), used)
-    unstable = TrajectoryDataset.concatenate([tails, dataset.subset(untouched)])
-    return StablePrefixRelease(stable, unstable, budget, episodes, lengths, states_evaluated)
+    return StablePrefixRelease(
+        stable, unstable_remainder(dataset, episodes[released], lengths[released]), budget, episodes, lengths,
+        states_evaluated,
+    )
+
+
+def unstable_remainder(dataset: TrajectoryDataset, sources: np.ndarray, prefix_lengths: np.ndarray) -> TrajectoryDataset:
+    """D_unstable: every logged episode minus the longest released prefix it starts with.
+
+    Why "every episode that starts with a released prefix", not just the episode each prefix was cut from: which
+    episode a run used is the release's secret randomness, not its output. Training on D_unstable composes
+    sequentially with the release only if D_unstable is a function of (D, D_stable) that treats each episode on
+    its own; then neighbouring datasets give D_unstable sets that differ in one expert's episodes, and
+    expert-level DP-SGD on it keeps its sensitivity. Cutting by content is that function; it equals cutting the
+    source episode alone unless another episode starts with the very same states and actions.
+    """
+    cut = np.zeros(dataset.n_episodes, dtype=np.int64)
+    lengths = dataset.episode_lengths
+    transition_starts = np.cumsum(lengths) - lengths
+    observation_starts = transition_starts + np.arange(dataset.n_episodes)
+    for source, k in zip(sources.tolist(), prefix_lengths.tolist()):
+        candidates = np.flatnonzero(lengths >= k)
+        for t in range(k):  # keep the episodes whose step t equals the source's (states and action)
+            same_obs = dataset.observations[observation_starts[candidates] + t] == dataset.observations[
+                observation_starts[source] + t
+            ]
+            same_action = dataset.actions[transition_starts[candidates] + t] == dataset.actions[transition_starts[source] + t]
+            candidates = candidates[same_obs.reshape(len(candidates), -1).all(axis=1) & same_action]
+        cut[candidates] = np.maximum(cut[candidates], k)
+    remaining = np.flatnonzero(cut < lengths)
+    return dataset.fragments(remaining, cut[remaining], lengths[remaining])
 
 
 def _choose_trajectories(dataset: TrajectoryDataset, m: int, runs: int, generator: torch.Generator) -> np.ndarray:
