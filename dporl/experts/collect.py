@@ -23,7 +23,9 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tqdm.auto import tqdm
 
+import dporl.envs  # noqa: F401  (registers the dporl/ environment ids)
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.envs.variants import HIV_ID, VARIANT_SPECS, make_variant, make_vector_variant, physics_of
 from dporl.experts.expert_set import ExpertSet, sample_from_log_probs
 from dporl.experts.policies import StackedPolicy
 from dporl.utils.validation import ValidationError
@@ -49,34 +51,58 @@ class _Rollout:
         return np.where(live, self.rewards, 0.0).sum(axis=0, dtype=np.float64)
 
 
+def time_limit_kwargs(env_id: str, max_episode_steps: int) -> dict[str, int]:
+    """Make arguments that cut episodes at ``max_episode_steps`` (the HIV simulator's limit is its ``horizon``)."""
+    return {"horizon": max_episode_steps} if env_id == HIV_ID else {"max_episode_steps": max_episode_steps}
+
+
 def make_vector_env(
-    env_id: str, num_envs: int, max_episode_steps: int, params: Sequence[Mapping[str, Any]] | None = None
+    env_id: str,
+    num_envs: int,
+    max_episode_steps: int,
+    params: Sequence[Mapping[str, Any]] | None = None,
+    env_kwargs: Mapping[str, Any] | None = None,
 ) -> gym.vector.VectorEnv:
     """Vector env of ``num_envs`` copies of ``env_id`` in next-step autoreset mode.
 
-    Without physics ``params`` the env's own vector implementation is used when it has one (Gymnasium's numpy
-    CartPoleVectorEnv, dporl's batched HIV simulator). ``params`` (one dict per sub-env) builds each sub-env with
-    ``dporl.envs.variants.make_variant``; an empty dict is the default physics.
+    ``params``: one physics dict per sub-env (None = default physics everywhere). Built by
+    ``dporl.envs.variants.make_vector_variant``, which uses the numpy-batched vector envs where they exist (CartPole,
+    HIV: physics as arrays over sub-envs) and a ``SyncVectorEnv`` otherwise. ``env_kwargs`` go to every make call
+    (e.g. the HIV treatment interval).
     """
+    kwargs = {**time_limit_kwargs(env_id, max_episode_steps), **dict(env_kwargs or {})}
     if params is None or not any(params):
-        vector_env = gym.make_vec(env_id, num_envs=num_envs, max_episode_steps=max_episode_steps)
+        if env_id in VARIANT_SPECS:
+            vector_env = make_vector_variant(env_id, {}, num_envs, **kwargs)
+        else:
+            vector_env = gym.make_vec(env_id, num_envs=num_envs, **kwargs)
     else:
         if len(params) != num_envs:
             raise ValidationError("params", f"need one setting per sub-env ({num_envs}), got {len(params)}")
-        from dporl.envs.variants import make_variant
-
-        vector_env = gym.vector.SyncVectorEnv(
-            [_variant_factory(make_variant, env_id, dict(p), max_episode_steps) for p in params],
-            autoreset_mode=AutoresetMode.NEXT_STEP,
-        )
+        keys = set(params[0])
+        if any(set(p) != keys for p in params):
+            raise ValidationError("params", "every sub-env setting must name the same physics parameters")
+        columns = {}
+        for key in sorted(keys):
+            values = [p[key] for p in params]
+            # One value for all sub-envs stays a scalar (make_vector_variant takes booleans only as scalars).
+            columns[key] = values[0] if all(v == values[0] for v in values) else np.asarray(values)
+        vector_env = make_vector_variant(env_id, columns, num_envs, **kwargs)
     if vector_env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP) != AutoresetMode.NEXT_STEP:
         vector_env.close()
         raise ValidationError("env_id", f"{env_id}: vector env must use next-step autoreset (final obs is returned)")
     return vector_env
 
 
-def _variant_factory(make_variant, env_id: str, params: dict, max_episode_steps: int) -> Callable[[], gym.Env]:
-    return lambda: make_variant(env_id, params, max_episode_steps=max_episode_steps)
+def logging_physics(env_id: str, env_params: Mapping[str, Any], env_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Every physics parameter of the logging env (defaults filled in), for ``DatasetMetadata.env_params``."""
+    if env_id not in VARIANT_SPECS:
+        return dict(env_params)
+    env = make_variant(env_id, env_params, **dict(env_kwargs))
+    try:
+        return physics_of(env, env_id)
+    finally:
+        env.close()
 
 
 def _rollout(vector_env: gym.vector.VectorEnv, act: Actor, max_steps: int, seed: int, record_log_probs: bool,
@@ -146,13 +172,15 @@ def collect(
     seed: int,
     *,
     env_params: Mapping[str, Any] | None = None,
+    env_kwargs: Mapping[str, Any] | None = None,
     experts_per_chunk: int = 1000,
     progress: bool = True,
     extra: Mapping[str, Any] | None = None,
 ) -> TrajectoryDataset:
     """Log ``trajectories_per_expert`` episodes of every expert (softened policy) in ``env_id``.
 
-    ``env_params`` = physics of the logging env (None or {} = the default environment, as in the paper).
+    ``env_params`` = physics of the logging env (None or {} = the default environment, as in the paper);
+    ``env_kwargs`` = other make arguments (e.g. HIV ``treatment_interval``).
     Chunks of ``experts_per_chunk`` experts bound memory; chunk c uses env seed and action-sampling seed derived
     from ``(seed, c)``, so the dataset is a deterministic function of (experts, config, seed, chunk size).
     """
@@ -163,6 +191,7 @@ def collect(
     if experts_per_chunk < 1:
         raise ValidationError("experts_per_chunk", f"must be >= 1, got {experts_per_chunk}")
     env_params = dict(env_params or {})
+    env_kwargs = dict(env_kwargs or {})
     m, n = expert_set.n_experts, trajectories_per_expert
     chunks = [slice(start, min(start + experts_per_chunk, m)) for start in range(0, m, experts_per_chunk)]
     parts: list[dict[str, np.ndarray]] = []
@@ -177,7 +206,7 @@ def collect(
             env_seed, action_seed = np.random.SeedSequence([seed, index]).generate_state(2)
             generator = torch.Generator().manual_seed(int(action_seed))
             vector_env = make_vector_env(env_id, count * n, max_episode_steps,
-                                         [env_params] * (count * n) if env_params else None)
+                                         [env_params] * (count * n) if env_params else None, env_kwargs)
             try:
                 space = vector_env.single_action_space
                 if not isinstance(space, gym.spaces.Discrete) or space.n != expert_set.n_actions:
@@ -206,13 +235,14 @@ def collect(
         n_actions=n_actions,
         n_experts=m,
         obs_shape=obs_shape,
-        env_params=env_params,
+        env_params=logging_physics(env_id, env_params, env_kwargs),
         p_min=expert_set.p_min,
         seed=seed,
         expert_set=expert_set.reference(),
         extra={
             "trajectories_per_expert": n,
             "max_episode_steps": max_episode_steps,
+            "env_kwargs": env_kwargs,
             "behavior": f"expert policies with {expert_set.softening!r} p_min softening",
             "experts_per_chunk": experts_per_chunk,
             **dict(extra or {}),
@@ -229,6 +259,7 @@ def evaluate_policies(
     max_episode_steps: int,
     seed: int,
     *,
+    env_kwargs: Mapping[str, Any] | None = None,
     experts_per_chunk: int = 256,
     progress: bool = False,
 ) -> np.ndarray:
@@ -246,7 +277,7 @@ def evaluate_policies(
         chunk = slice(start, min(start + experts_per_chunk, policy.n_experts))
         count = chunk.stop - chunk.start
         slot_settings = [settings[i] for i in range(chunk.start, chunk.stop) for _ in range(episodes)]
-        vector_env = make_vector_env(env_id, count * episodes, max_episode_steps, slot_settings)
+        vector_env = make_vector_env(env_id, count * episodes, max_episode_steps, slot_settings, env_kwargs)
 
         def act(obs: torch.Tensor, chunk=chunk, count=count) -> tuple[torch.Tensor, None]:
             with torch.no_grad():

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from dporl.envs.variants import physics_grid
 from dporl.experts.analytic import analytic_experts
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.policies import StackedMLPPolicy, StackedPolicy
@@ -50,6 +51,7 @@ class GenerationConfig:
     keep_best: int = 3
     eval_episodes: int = 5  # greedy episodes per candidate on its own setting, to rank candidates
     max_episode_steps: int = 200
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # other make arguments, e.g. HIV treatment_interval
     seed: int = 0
     logit_scale: float = 1.0  # analytic family: logit = logit_scale * control signal (matters only without argmax)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -94,8 +96,6 @@ class GeneratedExperts:
 
 def physics_settings(config: GenerationConfig) -> list[dict]:
     """The grid of the paper's physics ranges (or a coarser one), optionally subsampled to ``n_settings``."""
-    from dporl.envs.variants import physics_grid
-
     grid = list(physics_grid(config.env_id, config.points_per_axis))
     if config.n_settings is None:
         return grid
@@ -128,7 +128,7 @@ def _generate_analytic(config: GenerationConfig, settings: list[dict], progress:
                                      config.logit_scale)
     per_candidate = [s for s in settings for _ in range(config.candidates_per_setting)]
     returns = evaluate_policies(candidates, config.env_id, per_candidate, config.eval_episodes,
-                                config.max_episode_steps, config.seed, progress=progress)
+                                config.max_episode_steps, config.seed, env_kwargs=config.env_kwargs, progress=progress)
     returns = returns.reshape(len(settings), config.candidates_per_setting)
     keep = _keep_best(returns, config.keep_best)
     return GeneratedExperts(
@@ -148,7 +148,7 @@ def train_setting(env_id: str, setting: dict, setting_index: int, config: Genera
     actors = []
     for candidate in range(config.candidates_per_setting):
         seed = int(np.random.SeedSequence([config.seed, setting_index, candidate]).generate_state(1)[0])
-        env_fn = variant_env_fn(env_id, setting, config.max_episode_steps)
+        env_fn = variant_env_fn(env_id, setting, config.max_episode_steps, config.env_kwargs)
         actors.append(train_ppo(env_fn, config.ppo, seed).actor)
     candidates = StackedMLPPolicy.from_single(actors)
     eval_seed = int(np.random.SeedSequence([config.seed, setting_index, 2**31]).generate_state(1)[0])
@@ -156,7 +156,7 @@ def train_setting(env_id: str, setting: dict, setting_index: int, config: Genera
     torch.set_num_threads(1)
     try:
         returns = evaluate_policies(candidates, env_id, [setting] * len(actors), config.eval_episodes,
-                                    config.max_episode_steps, eval_seed)
+                                    config.max_episode_steps, eval_seed, env_kwargs=config.env_kwargs)
     finally:
         torch.set_num_threads(threads)
     keep = _keep_best(returns[None, :], config.keep_best)

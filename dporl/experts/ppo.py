@@ -22,6 +22,9 @@ import torch
 from gymnasium.vector import AutoresetMode
 from torch import nn
 
+import dporl.envs  # noqa: F401  (registers the dporl/ environment ids)
+from dporl.envs.variants import VARIANT_SPECS, make_variant
+from dporl.experts.collect import time_limit_kwargs
 from dporl.experts.expert_set import sample_from_log_probs
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -210,15 +213,15 @@ def _update(actor, critic, optimizer, params, config: PPOConfig, generator, obs,
             optimizer.step()
 
 
-def variant_env_fn(env_id: str, params: Mapping[str, Any], max_episode_steps: int | None) -> Callable[[], gym.Env]:
-    """Factory for one physics variant (default physics when ``params`` is empty)."""
+def variant_env_fn(env_id: str, params: Mapping[str, Any], max_episode_steps: int,
+                   env_kwargs: Mapping[str, Any] | None = None) -> Callable[[], gym.Env]:
+    """Factory for one physics variant (default physics when ``params`` is empty); ``env_kwargs`` go to make."""
     params = dict(params)
+    kwargs = {**time_limit_kwargs(env_id, max_episode_steps), **dict(env_kwargs or {})}
 
     def make() -> gym.Env:
-        if not params:
-            return gym.make(env_id, max_episode_steps=max_episode_steps)
-        from dporl.envs.variants import make_variant
-
-        return make_variant(env_id, params, max_episode_steps=max_episode_steps)
+        if not params and env_id not in VARIANT_SPECS:
+            return gym.make(env_id, **kwargs)
+        return make_variant(env_id, params, **kwargs)
 
     return make

@@ -68,6 +68,7 @@ def run(config: DatasetConfig) -> dict[str, Any]:
         config.trajectories_per_expert,
         config.max_episode_steps,
         config.seed,
+        env_kwargs=config.experts.env_kwargs,
         experts_per_chunk=config.experts_per_chunk,
         progress=config.progress,
         extra={"pipeline_config": to_dict(config)},
