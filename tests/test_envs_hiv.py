@@ -16,6 +16,7 @@ from dporl.envs.hiv import (
     HIVTreatmentEnv,
     HIVVectorEnv,
     HIVVectorSimulator,
+    _drug_coefficients,
     _log_rates,
     _RosenbrockSolver,
     hiv_derivatives,
@@ -60,7 +61,7 @@ def test_structured_solver_matches_dense_solve():
     s = rng.uniform(0.05, 50.0, n)
     b = rng.normal(size=(n, 6))
     dense = np.linalg.solve(s[:, None, None] * np.eye(6) - G, b[..., None])[..., 0]
-    rates, terms = _log_rates(np.log(y).T.copy(), eps[:, 0], eps[:, 1], HIVParameters())
+    rates, terms = _log_rates(np.log(y).T.copy(), _drug_coefficients(eps[:, 0], eps[:, 1], HIVParameters()), HIVParameters())
     np.testing.assert_allclose(rates.T, f / y, rtol=1e-12, atol=1e-12 * np.abs(f / y).max())
     structured = _RosenbrockSolver(terms, s, HIVParameters())(b.T.copy()).T
     np.testing.assert_allclose(structured, dense, rtol=1e-8, atol=1e-10 * np.abs(dense).max())

@@ -260,71 +260,82 @@ class HIVVectorSimulator:
         return np.where(active, reward, 0.0)
 
     def _integrate(self, x: np.ndarray, e1: np.ndarray, e2: np.ndarray, patient_index: np.ndarray) -> np.ndarray:
-        """Adaptive Rosenbrock on the log-state ``x[m, 6]`` of the given patients over one treatment interval."""
+        """Adaptive Rosenbrock on the log-state ``x[m, 6]`` of the given patients over one treatment interval.
+
+        The working arrays hold only patients still integrating; they are compacted when some finish, so most
+        iterations do no gather/scatter at all.
+        """
         duration = self.treatment_interval
-        x = np.ascontiguousarray(x.T)  # component-major [6, m]: every component is a contiguous row
-        t = np.zeros(x.shape[1])
-        h = np.minimum(self._step_size[patient_index], duration)
-        todo = np.arange(x.shape[1])  # patients not yet at the end of the interval
+        out = np.ascontiguousarray(x.T)  # component-major [6, m]: every component is a contiguous row
+        h_out = np.minimum(self._step_size[patient_index], duration)
+        working = np.arange(out.shape[1])  # positions (in out) of the patients still integrating
+        xs, h, t = out.copy(), h_out.copy(), np.zeros(out.shape[1])
+        drugs = _drug_coefficients(e1, e2, self.params)
         accepted = rejected = iterations = 0
-        while todo.size:
-            iterations += 1
-            if iterations > self.max_iterations:
-                raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
-            xs, a1, a2 = x[:, todo], e1[todo], e2[todo]
-            hs = np.minimum(h[todo], duration - t[todo])
-            g0, terms = _log_rates(xs, a1, a2, self.params)
-            solve = _RosenbrockSolver(terms, 1.0 / (_GAM * hs), self.params)
-            inv_h = 1.0 / hs
-            k1 = solve(g0)
-            g1 = _log_rates(xs + _A21 * k1, a1, a2, self.params)[0]
-            k2 = solve(g1 + (_C21 * inv_h) * k1)
-            g2 = _log_rates(xs + _A31 * k1 + _A32 * k2, a1, a2, self.params)[0]
-            k3 = solve(g2 + inv_h * (_C31 * k1 + _C32 * k2))
-            k4 = solve(g2 + inv_h * (_C41 * k1 + _C42 * k2 + _C43 * k3))
-            x_new = xs + _B1 * k1 + _B2 * k2 + _B3 * k3 + _B4 * k4
-            error = np.abs(_E1 * k1 + _E2 * k2 + _E4 * k4).max(axis=0) / self.tolerance
-            error = np.where(np.isfinite(error) & np.all(np.isfinite(x_new), axis=0), error, np.inf)
-            ok = error <= 1.0
-            # Standard controller: grow by err^(-1/4) (order 4) after success, shrink by err^(-1/3) after failure.
-            with np.errstate(divide="ignore"):
-                grow = np.clip(0.9 * error ** -0.25, 0.2, 5.0)
-                shrink = np.clip(0.9 * error ** (-1.0 / 3.0), 0.1, 0.5)
-            done = todo[ok]
-            x[:, done] = x_new[:, ok]
-            t[done] += hs[ok]
-            # A step shortened to land on the interval's end says little about the step size to use next.
-            shortened = hs < h[todo]
-            h[todo] = np.where(ok, np.maximum(hs * grow, np.where(shortened, h[todo], 0.0)), hs * shrink)
-            if np.any(h[todo] < 1e-12 * duration):
-                raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
-            accepted += int(ok.sum())
-            rejected += int(ok.size - ok.sum())
-            todo = todo[t[todo] < duration * (1.0 - 1e-12)]
-        self._step_size[patient_index] = h
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a failed trial step is rejected
+            while working.size:
+                iterations += 1
+                if iterations > self.max_iterations:
+                    raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
+                step = np.minimum(h, duration - t)
+                g0, terms = _log_rates(xs, drugs, self.params)
+                solve = _RosenbrockSolver(terms, 1.0 / (_GAM * step), self.params)
+                inv_h = 1.0 / step
+                k1 = solve(g0)
+                g1 = _log_rates(xs + _A21 * k1, drugs, self.params)[0]
+                k2 = solve(g1 + (_C21 * inv_h) * k1)
+                g2 = _log_rates(xs + _A31 * k1 + _A32 * k2, drugs, self.params)[0]
+                k3 = solve(g2 + inv_h * (_C31 * k1 + _C32 * k2))
+                k4 = solve(g2 + inv_h * (_C41 * k1 + _C42 * k2 + _C43 * k3))
+                error = np.abs(_E1 * k1 + _E2 * k2 + _E4 * k4).max(axis=0) / self.tolerance
+                error = np.where(np.isfinite(error), error, np.inf)  # NaN/inf anywhere in a stage: reject
+                ok = error <= 1.0
+                xs = np.where(ok, xs + _B1 * k1 + _B2 * k2 + _B3 * k3 + _B4 * k4, xs)
+                t = np.where(ok, t + step, t)
+                # Standard controller: grow by err^(-1/4) (order 4) on success, shrink by err^(-1/3) on failure.
+                # A step shortened to land on the interval's end says little about the next step size.
+                grow = np.maximum(step * np.clip(0.9 * error**-0.25, 0.2, 5.0), np.where(step < h, h, 0.0))
+                h = np.where(ok, grow, step * np.clip(0.9 * error ** (-1.0 / 3.0), 0.1, 0.5))
+                if np.any(h < 1e-12 * duration):
+                    raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
+                n_ok = int(np.count_nonzero(ok))
+                accepted += n_ok
+                rejected += ok.size - n_ok
+                finished = t >= duration * (1.0 - 1e-12)
+                if finished.any():
+                    out[:, working[finished]] = xs[:, finished]
+                    h_out[working[finished]] = h[finished]
+                    keep = ~finished
+                    working, xs, drugs, h, t = working[keep], xs[:, keep], drugs[:, keep], h[keep], t[keep]
+        self._step_size[patient_index] = h_out
         self.last_stats = {"accepted": accepted, "rejected": rejected, "iterations": iterations}
-        return x.T
+        return out.T
 
 
-def _log_rates(x: np.ndarray, e1: np.ndarray, e2: np.ndarray, p: HIVParameters) -> tuple[np.ndarray, dict]:
+def _drug_coefficients(e1: np.ndarray, e2: np.ndarray, p: HIVParameters) -> np.ndarray:
+    """Per-patient coefficients fixed over an interval, ``[5, m]``: infection rates (1 - eps1) k1 and
+    (1 - f eps1) k2, virion production (1 - eps2) NT delta, and the infection rates times rho1, rho2."""
+    a1 = (1.0 - e1) * p.k1
+    a2 = (1.0 - p.f * e1) * p.k2
+    return np.stack([a1, a2, (1.0 - e2) * (p.NT * p.delta), p.rho1 * a1, p.rho2 * a2])
+
+
+def _log_rates(x: np.ndarray, drugs: np.ndarray, p: HIVParameters) -> tuple[np.ndarray, dict]:
     """d(log y)/dt for log-states ``x[6, m]`` (component-major), and the terms the Jacobian reuses."""
     y = np.exp(x)
     T1, T2, I1, I2, V, E = y
-    a1 = (1.0 - e1) * p.k1
-    a2 = (1.0 - p.f * e1) * p.k2
-    production = (1.0 - e2) * (p.NT * p.delta)
+    a1, a2, production, ra1, ra2 = drugs
     infected = I1 + I2
     a1V, a2V = a1 * V, a2 * V  # infection rate per healthy cell
     u1, u2 = a1V * T1 / I1, a2V * T2 / I2  # new infected cells per infected cell
-    frac_b, frac_d = infected / (infected + p.Kb), infected / (infected + p.Kd)
     rates = np.empty_like(x)
     rates[0] = p.l1 / T1 - p.d1 - a1V
     rates[1] = p.l2 / T2 - p.d2 - a2V
     rates[2] = u1 - p.delta - p.m1 * E
     rates[3] = u2 - p.delta - p.m2 * E
-    rates[4] = production * infected / V - p.c - p.rho1 * a1 * T1 - p.rho2 * a2 * T2
-    rates[5] = p.lE / E + p.bE * frac_b - p.dE * frac_d - p.deltaE
-    terms = dict(y=y, a1=a1, a2=a2, a1V=a1V, a2V=a2V, u1=u1, u2=u2, production=production, infected=infected)
+    rates[4] = production * infected / V - p.c - ra1 * T1 - ra2 * T2
+    rates[5] = p.lE / E + p.bE * infected / (infected + p.Kb) - p.dE * infected / (infected + p.Kd) - p.deltaE
+    terms = dict(y=y, drugs=drugs, a1V=a1V, a2V=a2V, u1=u1, u2=u2, infected=infected)
     return rates, terms
 
 
@@ -347,11 +358,12 @@ class _RosenbrockSolver:
         self.inv22 = 1.0 / (s + u1)
         self.inv33 = 1.0 / (s + u2)
         self.u1, self.u2 = u1, u2  # m20 = m24 = -u1, m31 = m34 = -u2
-        self.m40 = p.rho1 * terms["a1"] * T1
-        self.m41 = p.rho2 * terms["a2"] * T2
-        self.m42 = -terms["production"] * I1 / V
-        self.m43 = -terms["production"] * I2 / V
-        m44 = s + terms["production"] * infected / V
+        _, _, production, ra1, ra2 = terms["drugs"]
+        self.m40 = ra1 * T1
+        self.m41 = ra2 * T2
+        self.m42 = -production * I1 / V
+        self.m43 = -production * I2 / V
+        m44 = s + production * infected / V
         saturation = p.bE * p.Kb / (infected + p.Kb) ** 2 - p.dE * p.Kd / (infected + p.Kd) ** 2
         self.m52, self.m53 = -saturation * I1, -saturation * I2
         m55 = s + p.lE / E

@@ -70,8 +70,6 @@ VARIANT_SPECS: dict[str, VariantSpec] = {
 def _spec(env_id: str) -> VariantSpec:
     if env_id not in VARIANT_SPECS:
         raise ValidationError("env_id", f"no physics variants for {env_id!r}; known: {sorted(VARIANT_SPECS)}")
-    if env_id == HIV_ID:
-        import dporl.envs  # noqa: F401  (registers the id)
     return VARIANT_SPECS[env_id]
 
 
