@@ -39,7 +39,9 @@ def on_policy_distribution(transitions: torch.Tensor, start: torch.Tensor) -> to
 def exact_td_statistics(
     features: torch.Tensor, transitions: torch.Tensor, rewards: torch.Tensor, distribution: torch.Tensor, gamma: float
 ) -> LinearTDStatistics:
-    """A = Phi^T D (I - gamma P) Phi, b = Phi^T D r, C = Phi^T D Phi for a finite MDP under the target policy.
+    """A = Phi^T D (Phi - gamma P Phi'), b = Phi^T D r, C = Phi^T D Phi for a finite MDP under the target policy.
+
+    Phi' is Phi with the rows of terminal states (zero rows of P) set to 0: phi(terminal) = 0.
 
     ``features`` [S, n]; ``transitions`` [S, S] the target policy's (substochastic) transition matrix;
     ``rewards`` [S] expected one-step reward under the target policy; ``distribution`` [S] the state weighting d.
@@ -54,7 +56,9 @@ def exact_td_statistics(
     if P.shape != (n_states, n_states) or r.shape != (n_states,) or d.shape != (n_states,):
         raise ValidationError("transitions", "features, transitions, rewards and distribution disagree on the states")
     weighted = d.unsqueeze(1) * Phi
-    A = weighted.T @ (Phi - gamma * (P @ Phi))
+    # phi(terminal) = 0 as in the sampled statistics: a transition into a terminal state (zero row) bootstraps 0.
+    next_features = Phi * (P.sum(1) > 0).unsqueeze(1)
+    A = weighted.T @ (Phi - gamma * (P @ next_features))
     return LinearTDStatistics(A, weighted.T @ r, weighted.T @ Phi)
 
 

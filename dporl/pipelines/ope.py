@@ -54,13 +54,32 @@ class ChainSettings:
 
 
 @dataclass
+class MountainCarSettings:
+    fourier_order: int = 5  # (order + 1)^2 features for GPOPE / LSTD and for the behaviour's Q-function
+    q_learning_episodes: int = 100  # Watkins' Q(lambda), greedy w.r.t. an optimistic (zero) initial Q
+    q_learning_step_size: float = 0.001  # base step; feature i uses step / ||c_i|| (Konidaris et al. 2011)
+    q_learning_trace_decay: float = 0.9
+    behaviour_epsilon: float = 0.1  # behaviour = epsilon-greedy of the learned Q (its probabilities are logged)
+    off_policy: bool = False  # True: evaluate the uniform random policy from the behaviour's data
+    heldout_trajectories: int = 500  # independent behaviour data for the sample-based MSPBE
+    max_episode_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if self.fourier_order < 1 or self.q_learning_episodes < 1 or self.heldout_trajectories < 2:
+            raise ValidationError("mountain_car", "fourier_order, q_learning_episodes must be >= 1, heldout >= 2")
+        check_positive("mountain_car.q_learning_step_size", self.q_learning_step_size)
+        check_probability("mountain_car.q_learning_trace_decay", self.q_learning_trace_decay)
+        check_probability("mountain_car.behaviour_epsilon", self.behaviour_epsilon, allow_zero=False)
+
+
+@dataclass
 class GPOPESettings:
     mode: Literal["poisson", "paper"] = "poisson"
     expected_batch_size: float = 1.0  # Poisson: sample rate q = expected_batch_size / m (1: the paper's rate)
     epochs: float = 1.0  # iterations N = epochs * m / expected_batch_size
     clip_norm: float = 1.0  # the paper's h
     step_size: Optional[float] = None  # None: tuned on public data over step_size_grid, separately for every m
-    step_size_grid: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3, 1.0, 3.0])
+    step_size_grid: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0])
     step_size_multipliers: list[float] = field(default_factory=lambda: [1.0, 0.1, 10.0])
     schedule: Literal["constant", "inverse_time"] = "constant"
     time_offset: float = 0.0
@@ -104,7 +123,7 @@ class OutputPerturbationSettings:
 @dataclass
 class OPEConfig:
     pipeline: str = "ope"
-    experiment: Literal["chain"] = "chain"
+    experiment: Literal["chain", "mountain_car"] = "chain"
     run_dir: str = "runs/ope_chain"
     seed: int = 0
     trials: int = 5
@@ -117,6 +136,7 @@ class OPEConfig:
     noise_seed: Optional[int] = None
     progress: bool = True
     chain: ChainSettings = field(default_factory=ChainSettings)
+    mountain_car: MountainCarSettings = field(default_factory=MountainCarSettings)
     gpope: GPOPESettings = field(default_factory=GPOPESettings)
     output_perturbation: OutputPerturbationSettings = field(default_factory=OutputPerturbationSettings)
 
@@ -146,6 +166,10 @@ class FiniteProblem:
     scored_states: torch.Tensor  # states the RMSE averages over (the non-terminal ones)
     gamma: float
     reward_max: float
+    max_episode_steps: int
+    finite = True
+    target_policy = None  # on-policy
+    reference_name = "lstd (non-private)"
 
     def __post_init__(self) -> None:
         expected_reward = (self.transitions * self.step_rewards).sum(1)
@@ -159,13 +183,13 @@ class FiniteProblem:
             "rmse": float(rmse(values[self.scored_states], self.true_values[self.scored_states])),
         }
 
-    def sample(self, n: int, generator: torch.Generator, max_steps: int) -> dict[str, torch.Tensor]:
+    def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """n trajectories as padded tensors (observations hold the state index), sampled for all n at once."""
         cumulative = self.transitions.cumsum(1)
         terminal = self.transitions.sum(1) == 0
         states = torch.multinomial(self.start, n, replacement=True, generator=generator)
         visited, rewards, alive = [states], [], [~terminal[states]]
-        for _ in range(max_steps):
+        for _ in range(self.max_episode_steps):
             if not alive[-1].any():
                 break
             draw = torch.rand(n, generator=generator, dtype=torch.float64)
@@ -211,7 +235,166 @@ def chain_problem(config: OPEConfig) -> FiniteProblem:
         scored_states=torch.arange(n - 1),
         gamma=gamma,
         reward_max=1.0,
+        max_episode_steps=config.chain.max_episode_steps,
     )
+
+
+# --------------------------------------------------------------------------------------------- Mountain Car
+MOUNTAIN_CAR_LOW, MOUNTAIN_CAR_HIGH = (-1.2, -0.07), (0.5, 0.07)  # the spec's scaling of (x, v) to [0, 1]
+
+
+def _fourier_norms(features) -> torch.Tensor:
+    """||c_i|| of every Fourier coefficient vector, read off the basis (1 for the constant feature)."""
+    coefficients = getattr(features, "coefficients", None)
+    if coefficients is None:
+        return torch.ones(features.n_features, dtype=torch.float64)
+    norms = torch.as_tensor(coefficients, dtype=torch.float64).norm(dim=-1)
+    return torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+def q_lambda_policy(settings: MountainCarSettings, features, seed: int) -> torch.Tensor:
+    """Linear Q-weights [n_actions, n] for MountainCar-v0 by Watkins' Q(lambda) on Fourier features (public setup).
+
+    Greedy with respect to the current Q, which starts at 0 above every true value (rewards are -1): optimism
+    explores, and with no exploratory actions Watkins' traces are never cut.
+    """
+    import gymnasium as gym
+
+    env = gym.make("MountainCar-v0", max_episode_steps=settings.max_episode_steps)
+    n_actions = int(env.action_space.n)
+    weights = torch.zeros(n_actions, features.n_features, dtype=torch.float64)
+    steps = settings.q_learning_step_size / _fourier_norms(features)
+    for episode in range(settings.q_learning_episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        phi = features(torch.as_tensor(obs, dtype=torch.float32)).double()
+        traces = torch.zeros_like(weights)
+        while True:
+            action = int(torch.argmax(weights @ phi))
+            obs, reward, terminated, truncated, _ = env.step(action)
+            next_phi = features(torch.as_tensor(obs, dtype=torch.float32)).double()
+            target = reward + (0.0 if terminated else float((weights @ next_phi).max()))
+            error = target - float(weights[action] @ phi)
+            traces *= settings.q_learning_trace_decay
+            traces[action] += phi
+            weights += error * steps * traces
+            if terminated or truncated:
+                break
+            phi = next_phi
+    env.close()
+    return weights
+
+
+@dataclass
+class EpsilonGreedyPolicy:
+    """pi(a|s) = eps / n_A + (1 - eps) [a = argmax_a Q(s, a)] for a linear Q (weights [n_A, n])."""
+
+    features: Any
+    q_weights: torch.Tensor
+    epsilon: float
+
+    def __call__(self, observations: torch.Tensor) -> torch.Tensor:
+        q = self.features(observations).double() @ self.q_weights.T
+        n_actions = q.shape[-1]
+        greedy = torch.nn.functional.one_hot(q.argmax(-1), n_actions).double()
+        return self.epsilon / n_actions + (1 - self.epsilon) * greedy
+
+
+def uniform_policy(n_actions: int):
+    def probabilities(observations: torch.Tensor) -> torch.Tensor:
+        return torch.full((*observations.shape[:-1], n_actions), 1.0 / n_actions, dtype=torch.float64)
+
+    return probabilities
+
+
+@dataclass
+class MountainCarProblem:
+    """On- or off-policy evaluation in MountainCar-v0 from the logged behaviour; sample-based MSPBE on held-out data."""
+
+    features: Any
+    behaviour: EpsilonGreedyPolicy
+    target_policy: Any  # None: on-policy
+    gamma: float
+    max_episode_steps: int
+    heldout: int
+    seed: int
+    finite = False
+
+    def __post_init__(self) -> None:
+        from dporl.algos.lstd import td_statistics, td_terms
+
+        data = self.sample(self.heldout, torch.Generator().manual_seed(self.seed + 7))
+        self.stats = td_statistics(td_terms(self.features, data, self.target_policy, dtype=torch.float64), self.gamma,
+                                   weighting="transition")
+        self.reference_name = "lstd (non-private)" if self.target_policy is None else "wis-lstd (non-private)"
+
+    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
+        return {"mspbe": float(mspbe(theta, self.stats)), "rmse": math.nan}
+
+    def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """n behaviour episodes (MountainCar-v0, time limit = truncation), padded, with logged log-probabilities.
+
+        The n environments step in lock-step; the policy is evaluated once per time step for all of them. The raw
+        environment (no wrappers) is stepped and the time limit applied here, which is what TimeLimit does.
+        """
+        import gymnasium as gym
+        import numpy as np
+
+        seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+        envs = [gym.make("MountainCar-v0").unwrapped for _ in range(n)]
+        obs = np.stack([env.reset(seed=s)[0] for env, s in zip(envs, seeds)]).astype(np.float32)
+        horizon = self.max_episode_steps
+        observations = np.zeros((n, horizon + 1, obs.shape[1]), dtype=np.float32)
+        actions = np.zeros((n, horizon), dtype=np.int64)
+        rewards = np.zeros((n, horizon), dtype=np.float32)
+        log_probs = np.zeros((n, horizon), dtype=np.float32)
+        mask = np.zeros((n, horizon), dtype=bool)
+        terminated = np.zeros(n, dtype=bool)
+        observations[:, 0] = obs
+        alive = np.ones(n, dtype=bool)
+        for t in range(horizon):
+            live = np.flatnonzero(alive)
+            if live.size == 0:
+                break
+            probs = self.behaviour(torch.from_numpy(observations[live, t]))
+            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            log_probs[live, t] = torch.log(probs.gather(1, chosen.unsqueeze(1)).squeeze(1)).numpy()
+            chosen = chosen.numpy()
+            actions[live, t] = chosen
+            mask[live, t] = True
+            observations[:, t + 1] = observations[:, t]
+            for i, a in zip(live.tolist(), chosen.tolist()):
+                o, r, term, _, _ = envs[i].step(a)
+                observations[i, t + 1], rewards[i, t] = o, r
+                if term:
+                    terminated[i], alive[i] = True, False
+        for env in envs:
+            env.close()
+        width = max(1, int(mask.sum(1).max()))
+        return {
+            "observations": torch.from_numpy(observations[:, : width + 1]),
+            "actions": torch.from_numpy(actions[:, :width]),
+            "rewards": torch.from_numpy(rewards[:, :width]),
+            "behavior_log_probs": torch.from_numpy(log_probs[:, :width]),
+            "mask": torch.from_numpy(mask[:, :width]),
+            "lengths": torch.from_numpy(mask.sum(1)),
+            "terminated": torch.from_numpy(terminated),
+        }
+
+
+def mountain_car_problem(config: OPEConfig) -> MountainCarProblem:
+    from dporl.envs.features import FourierBasis
+
+    settings = config.mountain_car
+    features = FourierBasis(settings.fourier_order, MOUNTAIN_CAR_LOW, MOUNTAIN_CAR_HIGH)
+    q_weights = q_lambda_policy(settings, features, config.seed)
+    behaviour = EpsilonGreedyPolicy(features, q_weights, settings.behaviour_epsilon)
+    target = uniform_policy(int(q_weights.shape[0])) if settings.off_policy else None
+    return MountainCarProblem(features, behaviour, target, config.gamma, settings.max_episode_steps,
+                              settings.heldout_trajectories, config.seed)
+
+
+def build_problem(config: OPEConfig):
+    return chain_problem(config) if config.experiment == "chain" else mountain_car_problem(config)
 
 
 # --------------------------------------------------------------------------------------------- one release each
@@ -240,7 +423,7 @@ def run_gpope(
         steps = max(1, round(settings.epochs * m))
     ledger = PrivacyLedger()
     ledger.stage("train", budget=(config.epsilon, config.delta), mechanism=settings.accountant, unit="trajectory")
-    module = GPOPE(problem.features, GPOPEConfig(gamma=config.gamma))
+    module = GPOPE(problem.features, GPOPEConfig(gamma=config.gamma), target_policy=problem.target_policy)
     trainer = Trainer(
         module,
         source,
@@ -311,8 +494,9 @@ def run(config: OPEConfig) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     run_dir = Path(config.run_dir)
-    problem = chain_problem(config)
+    problem = build_problem(config)
     gp = config.gpope
+    op_methods = config.output_perturbation.methods if problem.finite else []
     rows: list[dict[str, Any]] = []
     tuned: dict[int, dict[str, float]] = {}
     n_jobs = len(config.m_values) * (
@@ -321,7 +505,7 @@ def run(config: OPEConfig) -> dict[str, Any]:
     progress = tqdm(total=n_jobs, desc="ope chain", unit="run", disable=not config.progress, dynamic_ncols=True)
     for m in config.m_values:
         # Hyper-parameters come from an independent public dataset of the same size (never the private one).
-        public = problem.sample(m, _generator(config.seed, m, -1), config.chain.max_episode_steps)
+        public = problem.sample(m, _generator(config.seed, m, -1))
         step_size = gp.step_size
         if step_size is None:
             scores = {}
@@ -331,12 +515,15 @@ def run(config: OPEConfig) -> dict[str, Any]:
                 scores[lr] = result["mspbe"]
                 progress.update(1)
             step_size = min(scores, key=scores.get)
-        lambda_scale = _lsl_lambda_scale(config, problem, public, m) if "dp_lsl" in config.output_perturbation.methods else 0.0
+        lambda_scale = _lsl_lambda_scale(config, problem, public, m) if "dp_lsl" in op_methods else 0.0
         tuned[m] = {"step_size": step_size, "lsl_lambda_scale": lambda_scale}
         for trial in range(config.trials):
-            data = problem.sample(m, _generator(config.seed, m, trial), config.chain.max_episode_steps)
-            reference = problem.metrics(lstd(problem.features, data, config.gamma))
-            rows.append({"method": "lstd (non-private)", "m": m, "trial": trial, **reference, "epsilon": math.inf})
+            data = problem.sample(m, _generator(config.seed, m, trial))
+            reference = problem.metrics(lstd(problem.features, data, config.gamma, target_policy=problem.target_policy))
+            rows.append({"method": problem.reference_name, "m": m, "trial": trial, **reference, "epsilon": math.inf})
+            # The data-free estimate: a private method above this line has learnt nothing useful.
+            zero = problem.metrics(torch.zeros(problem.features.n_features, dtype=torch.float64))
+            rows.append({"method": "theta = 0 (no data)", "m": m, "trial": trial, **zero, "epsilon": 0.0})
             for k, multiplier in enumerate(gp.step_size_multipliers):
                 result = run_gpope(
                     config, problem, data, step_size * multiplier, run_dir / f"m{m}" / f"trial{trial}" / f"gpope_x{multiplier:g}",
@@ -344,7 +531,7 @@ def run(config: OPEConfig) -> dict[str, Any]:
                 )
                 rows.append({"method": f"gpope ({multiplier:g}x step)", "m": m, "trial": trial, **result})
                 progress.update(1)
-            for j, method in enumerate(config.output_perturbation.methods):
+            for j, method in enumerate(op_methods):
                 result = run_output_perturbation(method, config, problem, data, lambda_scale,
                                                  _noise_seed(config, m, trial, 100 + j))
                 rows.append({"method": method, "m": m, "trial": trial, **result})
@@ -379,9 +566,13 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
         analysis_name(config.gpope.accountant) + (", Poisson sampling, add/remove one trajectory" if config.gpope.mode == "poisson"
                                                   else ", sampling without replacement, replace one trajectory")
     )
+    if config.experiment == "chain":
+        setting = f"Chain ({config.chain.n_states} states, p={config.chain.stay_probability}, gamma={config.gamma})"
+    else:
+        policy = "off-policy, target uniform" if config.mountain_car.off_policy else "on-policy"
+        setting = f"MountainCar-v0 ({policy}, Fourier order {config.mountain_car.fourier_order}, gamma={config.gamma})"
     lines = [
-        f"# Chain ({config.chain.n_states} states, p={config.chain.stay_probability}, gamma={config.gamma}): "
-        f"MSPBE vs m at epsilon={config.epsilon}, delta={config.delta}, privacy unit: {unit}",
+        f"# {setting}: MSPBE vs m at epsilon={config.epsilon}, delta={config.delta}, privacy unit: {unit}",
         "",
         f"GPOPE: {gp_analysis}. DP-LSW / DP-LSL: {SMOOTH_SENSITIVITY}, replace one trajectory.",
         "",
@@ -401,7 +592,7 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
             picked = [e for e in table if e["method"] == method]
             series[method] = ([e["m"] for e in picked], [e[f"{key}_mean"] for e in picked], None)
         plot_lines(run_dir / f"{key}_vs_m.png", series, xlabel="trajectories m", ylabel=label, logx=True, logy=True,
-                   title=f"chain, epsilon={config.epsilon}, delta={config.delta}")
+                   title=f"{config.experiment}, epsilon={config.epsilon}, delta={config.delta}")
     summary = {"config": to_dict(config), "table": table, "tuned": {str(k): v for k, v in tuned.items()},
                "privacy_unit": unit, "gpope_analysis": gp_analysis, "output_perturbation_analysis": SMOOTH_SENSITIVITY}
     atomic_write_json(run_dir / "summary.json", summary)
@@ -416,7 +607,7 @@ def evaluate(payload: dict[str, Any], episodes: int, seed: int, out_dir: Path) -
     if "ope" not in stored or "theta" not in payload.get("algorithm", {}):
         raise ValidationError("checkpoint", "not a GPOPE checkpoint of the 'ope' pipeline")
     config = from_dict(OPEConfig, stored["ope"])
-    problem = chain_problem(config)
+    problem = build_problem(config)
     metrics = {**problem.metrics(payload["algorithm"]["theta"]), "m": stored.get("m"), "trial": stored.get("trial"),
                "steps": payload.get("step")}
     atomic_write_json(Path(out_dir) / "ope_eval.json", metrics)

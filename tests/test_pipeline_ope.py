@@ -1,0 +1,91 @@
+import json
+import math
+
+import pytest
+import torch
+
+from dporl.algos.lstd import td_statistics, td_terms
+from dporl.eval.ope_metrics import mspbe
+from dporl.pipelines import get_pipeline
+from dporl.pipelines.ope import OPEConfig, chain_problem
+from dporl.privacy.accountants import epsilon_for
+from dporl.privacy.events import PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent
+from dporl.train.checkpoint import load_checkpoint
+from dporl.utils.config import from_dict, load_yaml
+from dporl.utils.validation import ValidationError
+
+
+def tiny_config(tmp_path, **overrides):
+    data = {
+        "run_dir": str(tmp_path / "run"), "trials": 1, "m_values": [20], "noise_seed": 5, "progress": False,
+        "chain": {"n_states": 6},
+        "gpope": {"step_size_grid": [0.05], "step_size_multipliers": [1.0]},
+        "output_perturbation": {"lsl_lambda_grid": [10.0]},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return from_dict(OPEConfig, data)
+
+
+@pytest.mark.parametrize("mode", ["poisson", "paper"])
+def test_chain_pipeline_end_to_end(tmp_path, mode):
+    # Paper mode (replace-one, one trajectory out of 20 per step) cannot reach epsilon 0.1 in 20 steps with any
+    # sensible noise, so it runs at epsilon 2 and, to keep the test short, without the output-perturbation methods.
+    if mode == "poisson":
+        config = tiny_config(tmp_path)
+        private = ("gpope (1x step)", "dp_lsw", "dp_lsl")
+    else:
+        config = tiny_config(tmp_path, epsilon=2.0, gpope={"mode": mode}, output_perturbation={"methods": []})
+        private = ("gpope (1x step)",)
+    summary = get_pipeline("ope").run(config)
+    run_dir = tmp_path / "run"
+    for name in ("results.csv", "results.md", "mspbe_vs_m.png", "rmse_vs_m.png", "summary.json"):
+        assert (run_dir / name).exists(), name
+    methods = {row["method"]: row for row in summary["table"]}
+    assert set(methods) == {"lstd (non-private)", "theta = 0 (no data)", *private}
+    for name in private:
+        assert 0 < methods[name]["epsilon"] <= config.epsilon * (1 + 1e-9), name
+        assert math.isfinite(methods[name]["mspbe_mean"])
+
+    # The GPOPE run's ledger (in its checkpoint) equals a fresh analysis of the event its source states.
+    checkpoint = load_checkpoint(run_dir / "m20" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
+    run_summary = json.loads((run_dir / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    sigma, steps = run_summary["noise_multiplier"], run_summary["budget_steps"]
+    event = (PoissonGaussianEvent(sigma, 1 / 20) if mode == "poisson"
+             else SampledWithoutReplacementGaussianEvent(sigma / 2, 1, 20))
+    stage = run_summary["privacy"]["stages"][0]
+    assert stage["unit"] == "trajectory"
+    assert stage["epsilon"] == pytest.approx(epsilon_for([(event, steps)], config.delta, "rdp"), rel=1e-12)
+    if mode == "paper":
+        assert methods["gpope (1x step)"]["paper_lemma1_epsilon"] > 0
+
+    # evaluate.py's hook recomputes the released estimate's exact MSPBE from the checkpoint alone.
+    metrics = get_pipeline("ope").evaluate(checkpoint, episodes=1, seed=0, out_dir=tmp_path / "eval")
+    problem = chain_problem(config)
+    expected = float(mspbe(checkpoint["algorithm"]["theta"], problem.stats))
+    assert metrics["mspbe"] == pytest.approx(expected, rel=1e-12)
+    assert (tmp_path / "eval" / "ope_eval.json").exists()
+
+
+def test_chain_sampler_matches_the_exact_statistics(tmp_path):
+    # Sample statistics of 4000 trajectories vs the exact A, b, C under the on-policy distribution: entries are
+    # averages of O(10^5) transitions, so their standard errors are ~1e-3 of the entry scale; 0.02 is > 5 sigma.
+    config = tiny_config(tmp_path)
+    problem = chain_problem(config)
+    data = problem.sample(4000, torch.Generator().manual_seed(0))
+    assert bool(data["terminated"].all())
+    stats = td_statistics(td_terms(problem.features, data, dtype=torch.float64), config.gamma, weighting="transition")
+    for name in ("A", "b", "C"):
+        torch.testing.assert_close(getattr(stats, name), getattr(problem.stats, name), atol=0.02, rtol=0)
+
+
+def test_config_files_parse_and_bad_values_fail(tmp_path):
+    for name in ("ope_chain", "ope_chain_tiny", "ope_mountain_car", "ope_mountain_car_off_policy"):
+        config = from_dict(OPEConfig, load_yaml(f"configs/{name}.yaml"))
+        assert config.pipeline == "ope"
+    with pytest.raises(ValidationError, match="output_perturbation.methods"):
+        tiny_config(tmp_path, output_perturbation={"methods": ["dp_lsx"]})
+    with pytest.raises(ValidationError, match="gpope.accountant"):
+        tiny_config(tmp_path, gpope={"mode": "paper", "accountant": "prv"})
+    with pytest.raises(ValidationError, match="unknown key"):
+        tiny_config(tmp_path, gpope={"stepsize": 0.1})
