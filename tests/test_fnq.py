@@ -1,4 +1,4 @@
-import math
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -157,3 +157,49 @@ def test_bad_configs_name_their_field():
         FNQConfig(reset_every=0)
     with pytest.raises(ValidationError, match="fnq.state_low"):
         FunctionalNoiseQLearning(2, 2, FNQConfig())
+
+
+def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
+    import json
+
+    from dporl.pipelines import get_pipeline
+    from dporl.utils.config import from_dict
+
+    pipeline = get_pipeline("fnq")
+    config = from_dict(pipeline.config_cls, {
+        "pipeline": "fnq", "run_dir": str(tmp_path), "env_id": "dporl/Line1D-v0",
+        "methods": ["nonprivate", "fnq", "input_perturbation", "dpsgd"], "epsilons": [0.9], "delta": 1e-4,
+        "reset_factors": [4], "samples": 128, "batch_size": 32, "optimizer": {"name": "sgd", "lr": 0.05},
+        "eval_episodes": 2, "evaluations": 1, "noise_seed": 0, "progress": False,
+    })
+    summary = pipeline.run(config)
+    rows = {row["label"]: row for row in summary["rows"]}
+    assert set(rows) == {"nonprivate", "fnq_eps0.9", "input_perturbation_eps0.9", "dpsgd_eps0.9"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    fnq = next(r for r in results["runs"] if r["label"] == "fnq_eps0.9")
+    # Theorem 5 at T/B = 4 updates, 4 windows: the total delta fits, and the ledger reports the reward unit.
+    assert fnq["privacy"]["delta_total"] <= 1e-4 and fnq["privacy"]["reset_factor"] == 4
+    assert fnq["ledger"]["stages"][0]["unit"] == "reward"
+    assert fnq["sigma"] == pytest.approx(fnq["privacy"]["sigma"])
+    dpsgd = next(r for r in results["runs"] if r["label"] == "dpsgd_eps0.9")
+    assert dpsgd["ledger"]["stages"][0]["epsilon"] <= 0.9
+    assert (tmp_path / "table.md").exists() and all(Path(p).exists() for p in summary["plots"])
+    released, _ = load_noisy_q(tmp_path / "fnq_eps0.9" / "seed0" / "released.pt")
+    assert released.noise.sigma == pytest.approx(fnq["sigma"])
+
+
+def test_pipeline_refuses_what_it_cannot_certify(tmp_path):
+    from dporl.pipelines import get_pipeline
+    from dporl.utils.config import from_dict
+
+    pipeline = get_pipeline("fnq")
+    base = {"pipeline": "fnq", "run_dir": str(tmp_path), "samples": 64, "batch_size": 32, "progress": False}
+    with pytest.raises(ValidationError, match="methods"):  # baselines need a budget to be calibrated to
+        pipeline.run(from_dict(pipeline.config_cls, {**base, "methods": ["fnq", "dpsgd"], "beta": 10.0}))
+    with pytest.raises(ValidationError, match="epsilons"):  # Theorem 5 is one-dimensional
+        pipeline.run(from_dict(pipeline.config_cls, {
+            **base, "env_id": "CartPole-v1", "state_low": [-2.4, -3, -0.21, -3.5], "state_high": [2.4, 3, 0.21, 3.5],
+            "epsilons": [1.0],
+        }))
+    with pytest.raises(ValidationError, match="optimizer"):  # the theorem's sensitivity assumes plain SGD
+        pipeline.run(from_dict(pipeline.config_cls, {**base, "epsilons": [1.0], "optimizer": {"name": "adam"}}))

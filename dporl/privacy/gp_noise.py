@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from dporl.privacy.noise import NoiseSource
-from dporl.utils.validation import ValidationError, check_finite, check_positive
+from dporl.utils.validation import ValidationError, check_positive
 
 # A new point whose conditional variance is below this fraction of sigma^2 is determined by its neighbours to
 # ~1e-6 sigma: it gets its conditional mean and is not stored (storing it would make the multi-dimensional
@@ -65,7 +65,8 @@ class _PathBase:
             points = points.unsqueeze(-1)  # 1-D paths accept [...] as well as [..., 1]
         if points.shape[-1] != self.dim:
             raise ValidationError("points", f"expected [..., {self.dim}], got {tuple(points.shape)}")
-        check_finite("points", points)
+        if points.is_floating_point() and not bool(torch.isfinite(points).all()):
+            raise ValidationError("points", "contains non-finite values (NaN or inf)")
         return points
 
     def __call__(self, points: torch.Tensor) -> torch.Tensor:
