@@ -186,6 +186,11 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     assert (tmp_path / "table.md").exists() and all(Path(p).exists() for p in summary["plots"])
     released, _ = load_noisy_q(tmp_path / "fnq_eps0.9" / "seed0" / "released.pt")
     assert released.noise.sigma == pytest.approx(fnq["sigma"])
+    from dporl.train.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "fnq_eps0.9" / "seed0"
+    metrics = pipeline.evaluate(load_checkpoint(run_dir / "checkpoints" / "last.pt"), episodes=2, seed=0, out_dir=run_dir)
+    assert metrics["episodes"] == 2 and metrics["label"] == "fnq_eps0.9" and (run_dir / "eval.json").exists()
 
 
 def test_pipeline_refuses_what_it_cannot_certify(tmp_path):

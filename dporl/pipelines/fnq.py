@@ -45,7 +45,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.train.trainer import Trainer
-from dporl.utils.config import to_dict
+from dporl.utils.config import from_dict, to_dict
 from dporl.utils.io import atomic_write_json, atomic_write_text
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -370,4 +370,25 @@ def run(config: FNQPipelineConfig) -> dict:
                                                        for r in rows]}
 
 
-register(Pipeline("fnq", FNQPipelineConfig, run))
+def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) -> dict:
+    """evaluate.py: play the run's released function (``released.pt`` beside its checkpoints) greedily."""
+    import gymnasium as gym
+
+    import dporl.envs  # noqa: F401
+    from dporl.algos.fnq import load_noisy_q
+    from dporl.eval.returns import evaluate_returns
+
+    config = from_dict(FNQPipelineConfig, {k: v for k, v in payload["config"].items() if k != "run"})
+    released = Path(out_dir) / "released.pt"
+    if not released.exists():
+        raise ValidationError("checkpoint", f"no released function at {released}")
+    function, metadata = load_noisy_q(released)
+    env = gym.make_vec(config.env_id, num_envs=min(episodes, 16), vectorization_mode="sync")
+    stats = evaluate_returns(function.act, env, episodes, seed)
+    env.close()
+    metrics = {**stats.to_dict(), "label": metadata.get("label"), "privacy": metadata.get("privacy")}
+    atomic_write_json(Path(out_dir) / "eval.json", metrics)
+    return metrics
+
+
+register(Pipeline("fnq", FNQPipelineConfig, run, evaluate))
