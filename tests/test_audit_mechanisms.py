@@ -2,14 +2,15 @@
 to a tenth, the bound exceeds the claimed epsilon (so a passing audit is evidence, not a test that cannot fail).
 
 Trial counts: with N held-out trials per neighbour the largest certifiable epsilon is about log(N / 4); every
-power case below needs eps_lb above a claim of 1 - 4.5, so N >= 2000 suffices, and the margins measured on these
-seeds are > 1 nat on both sides.
+power case below needs eps_lb above a claim of 1 - 4.5, so N >= 2000 suffices. On these (fixed) seeds every power
+bound exceeds its claim by >= 1.4 nat; honest bounds stay below their claims, the Laplace ones within 0.03-0.13 nat
+(those audits are nearly tight: pure eps = 1/b is attained by the threshold test).
 """
 
 import pytest
 
 from dporl.audit import run_audit
-from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, mixture_audit
+from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, gpope_paper_audit, mixture_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
 
@@ -21,6 +22,7 @@ CASES = [
     ("dpsgd_step", dpsgd_step_audit, {}, 4_000),
     ("dpsgd_step_opacus", dpsgd_step_audit, {"mode": "opacus", "sample_rate": 0.3}, 2_000),
     ("gpope", gpope_audit, {}, 4_000),
+    ("gpope_paper", gpope_paper_audit, {}, 4_000),
 ]
 
 

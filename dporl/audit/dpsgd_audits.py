@@ -1,4 +1,5 @@
-"""Audits of one DP-SGD step (autograd path), the mixture step of Algorithm 3, and one GPOPE update.
+"""Audits of one DP-SGD step (autograd path), the mixture step of Algorithm 3, and one GPOPE update (Poisson and
+the paper's one-trajectory replace-one mode).
 
 All run the library's own code: ``PoissonUnitSource`` draws the sample, ``DPSGDEngine`` clips, sums and adds the
 ``NoiseSource`` noise, and the claimed epsilon is the accountant's for the event the source states.
@@ -28,7 +29,7 @@ from dporl.audit.experiment import Experiment
 from dporl.privacy.accountants import analysis_name, epsilon_for, paper_mixture_epsilon
 from dporl.privacy.dpsgd import DPSGDEngine
 from dporl.privacy.noise import NoiseSource
-from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
+from dporl.privacy.samplers import FixedSizeSource, MixtureSource, PoissonUnitSource, UniformBatchSource
 from dporl.utils.seeding import make_generator
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -196,14 +197,14 @@ class _OneHot:
         return nn.functional.one_hot(obs[..., 0].long(), self.n_features).to(torch.float32)
 
 
-def _gpope_trajectories(n_others: int, length: int, n_states: int, with_canary: bool) -> dict[str, torch.Tensor]:
-    """Padded trajectories: the others wander over states 0..n-2; the canary sits in state n-1 with reward 1000."""
+def _gpope_trajectories(n_others: int, length: int, n_states: int, canary_reward: float | None) -> dict[str, torch.Tensor]:
+    """Padded trajectories: the others wander over states 0..n-2; the canary sits in state n-1 with a huge reward."""
     generator = make_generator(2024)
     obs = torch.randint(0, n_states - 1, (n_others, length + 1, 1), generator=generator).float()
     rewards = torch.rand(n_others, length, generator=generator)
-    if with_canary:
+    if canary_reward is not None:
         obs = torch.cat([torch.full((1, length + 1, 1), float(n_states - 1)), obs])
-        rewards = torch.cat([torch.full((1, length), 1000.0), rewards])
+        rewards = torch.cat([torch.full((1, length), canary_reward), rewards])
     n = obs.shape[0]
     return {
         "observations": obs,
@@ -212,6 +213,34 @@ def _gpope_trajectories(n_others: int, length: int, n_states: int, with_canary: 
         "mask": torch.ones(n, length, dtype=torch.bool),
         "terminated": torch.ones(n, dtype=torch.bool),
     }
+
+
+def _gpope_directions(canary_reward: float | None, n_others: int) -> torch.Tensor:
+    """B_i of every trajectory from ``GPOPE.unit_directions`` at a fixed public, non-trivial iterate (theta, w)."""
+    from dporl.algos.gpope import GPOPE, GPOPEConfig
+    from dporl.privacy.samplers import Batch
+
+    n_states, length = 5, 6
+    model = GPOPE(_OneHot(n_states), GPOPEConfig(gamma=0.9))
+    with torch.no_grad():  # both halves of B_i active
+        model.theta.copy_(torch.linspace(-1, 1, n_states))
+        model.w.copy_(torch.linspace(0.5, -0.5, n_states))
+    data = _gpope_trajectories(n_others, length, n_states, canary_reward)
+    n = data["mask"].shape[0]
+    return model.unit_directions(Batch(data, torch.arange(n), n, private=True))
+
+
+def _released_updates(units: torch.Tensor, chosen: torch.Tensor, trial: torch.Tensor, n: int, *, sigma: float,
+                      clip: float, expected: float, seed: int) -> torch.Tensor:
+    """[n, width] released updates: sampled unit ``chosen[k]`` of trial ``trial[k]`` placed in that trial's block of
+    one flat vector, clipped, summed, noised and divided by the engine (``private_direction``)."""
+    width = units.shape[1]
+    vectors = torch.zeros(len(chosen), n * width, dtype=units.dtype)
+    vectors.scatter_(1, trial.unsqueeze(1) * width + torch.arange(width), units[chosen])
+    holder = nn.Linear(1, 1)  # the engine needs a module; private_direction only uses clip, noise and divisor
+    engine = DPSGDEngine(holder, max_grad_norm=clip, noise_multiplier=sigma, expected_batch_size=expected,
+                         noise=NoiseSource(seed))
+    return engine.private_direction(vectors).reshape(n, width)
 
 
 def gpope_audit(
@@ -223,53 +252,31 @@ def gpope_audit(
     accountant: str = "pld",
     noise_factor: float = 1.0,
 ) -> Experiment:
-    """One GPOPE update (Poisson mode) on D = canary trajectory + others vs D' = others.
+    """One GPOPE update (Poisson mode) on D = canary trajectory + others vs D' = others (add/remove).
 
-    The per-trajectory primal-dual gradients B_i come from ``GPOPE.unit_directions`` at a fixed public iterate
-    (theta, w); the canary visits a state no other trajectory visits, with a huge reward, so its B_i is clipped to
-    norm h along a direction u orthogonal to every other B_i. Statistic: the released update's projection on u.
+    The canary visits a state no other trajectory visits, with reward 1000, so its B_i is clipped to norm h along a
+    direction u orthogonal to every other B_i. Statistic: the released update's projection on u.
     """
-    from dporl.algos.gpope import GPOPE, GPOPEConfig
-    from dporl.privacy.samplers import Batch
-
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    n_states, length = 5, 6
-    model = GPOPE(_OneHot(n_states), GPOPEConfig(gamma=0.9))
-    with torch.no_grad():  # a public, non-trivial iterate so both halves of B_i are active
-        model.theta.copy_(torch.linspace(-1, 1, n_states))
-        model.w.copy_(torch.linspace(0.5, -0.5, n_states))
-
-    def directions(with_canary: bool) -> torch.Tensor:
-        data = _gpope_trajectories(n_trajectories - 1, length, n_states, with_canary)
-        n = data["mask"].shape[0]
-        return model.unit_directions(Batch(data, torch.arange(n), n, private=True))
-
-    all_dirs = directions(True)
-    canary_dir = all_dirs[0] / all_dirs[0].norm()
-    if float((all_dirs[1:] @ canary_dir).abs().max()) > 1e-4:
+    directions = {True: _gpope_directions(1000.0, n_trajectories - 1), False: _gpope_directions(None, n_trajectories - 1)}
+    canary_dir = directions[True][0] / directions[True][0].norm()
+    if float((directions[True][1:] @ canary_dir).abs().max()) > 1e-4:
         raise AssertionError("the GPOPE canary is not orthogonal to the other trajectories")  # construction bug
     expected = q * n_trajectories
     event = PoissonUnitSource({"x": torch.zeros(1, 1)}, torch.zeros(1, dtype=torch.long), 1, q).step_event(sigma)
-    width = all_dirs.shape[1]
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
-        units = directions(on_d)
+        units = directions[on_d]
         per_trial = units.shape[0]
         source = PoissonUnitSource(
             {"unit": torch.arange(per_trial).repeat(n), "trial": torch.arange(n).repeat_interleave(per_trial)},
             torch.arange(n * per_trial), n * per_trial, q,
         )
         batch = source.sample(make_generator(seed))
-        # Each sampled (trial, trajectory) contributes its B_i in its trial's block of the flat update.
-        vectors = torch.zeros(batch.n_units, n * width, dtype=units.dtype)
-        cols = batch.data["trial"].unsqueeze(1) * width + torch.arange(width)
-        vectors.scatter_(1, cols, units[batch.data["unit"]])
-        holder = nn.Linear(1, 1)  # the engine needs a module; private_direction only uses clip, noise, divisor
-        engine = DPSGDEngine(holder, max_grad_norm=max_grad_norm, noise_multiplier=used_sigma,
-                             expected_batch_size=expected, noise=NoiseSource(seed + 1))
-        update = engine.private_direction(vectors).reshape(n, width)
+        update = _released_updates(units, batch.data["unit"], batch.data["trial"], n, sigma=used_sigma,
+                                   clip=max_grad_norm, expected=expected, seed=seed + 1)
         return (update @ canary_dir.to(update.dtype)).double().numpy() * expected / max_grad_norm
 
     return Experiment(
@@ -283,4 +290,46 @@ def gpope_audit(
         chunk_trials=500,
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_trajectories": n_trajectories,
                   "noise_factor": noise_factor},
+    )
+
+
+def gpope_paper_audit(
+    noise_multiplier: float = 2.0,
+    n_trajectories: int = 4,
+    max_grad_norm: float = 1.0,
+    delta: float = 1e-5,
+    noise_factor: float = 1.0,
+) -> Experiment:
+    """One GPOPE update in the paper's mode: one trajectory uniformly at random (``FixedSizeSource``, sample 1),
+    replace-one adjacency. D holds the canary (reward +1000), D' replaces it by its mirror (reward -1000): their
+    clipped B_i point in nearly opposite directions, the worst case 2h of the replace-one analysis. Statistic:
+    projection of the update on the difference of the two clipped directions.
+    """
+    sigma = check_positive("noise_multiplier", noise_multiplier)
+    used_sigma = sigma * check_positive("noise_factor", noise_factor)
+    directions = {True: _gpope_directions(1000.0, n_trajectories - 1), False: _gpope_directions(-1000.0, n_trajectories - 1)}
+    clipped = [d[0] / d[0].norm() for d in (directions[True], directions[False])]
+    axis = (clipped[0] - clipped[1]) / (clipped[0] - clipped[1]).norm()
+    source = FixedSizeSource({"unit": torch.arange(n_trajectories)}, torch.arange(n_trajectories), n_trajectories, 1)
+    event = source.step_event(sigma)
+
+    def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
+        generator = make_generator(seed)
+        # FixedSizeSource(sample_size=1) takes randperm(m)[:1]: one unit uniformly at random. The same law is drawn
+        # for all trials at once (the source's Python-level call per trial would dominate the audit's cost).
+        chosen = torch.randint(0, n_trajectories, (n,), generator=generator)
+        update = _released_updates(directions[on_d], chosen, torch.arange(n), n, sigma=used_sigma,
+                                   clip=max_grad_norm, expected=1.0, seed=seed + 1)
+        return (update @ axis.to(update.dtype)).double().numpy() / max_grad_norm
+
+    return Experiment(
+        name="gpope_paper",
+        claimed_epsilon=epsilon_for([(event, 1)], delta, "rdp"),
+        delta=delta,
+        privacy_unit="trajectory",
+        analysis=f"{event} by {analysis_name('rdp')} (sampling without replacement, replace-one)",
+        neighbours="replace-one: canary trajectory (reward +1000) vs its mirror (reward -1000) in a state no other visits",
+        scores=scores,
+        chunk_trials=500,
+        settings={"noise_multiplier": sigma, "n_trajectories": n_trajectories, "noise_factor": noise_factor},
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping
 
-from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, mixture_audit
+from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, gpope_paper_audit, mixture_audit
 from dporl.audit.experiment import Experiment
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
@@ -29,6 +29,7 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "dpsgd_step": dpsgd_step_audit,
     "mixture": mixture_audit,
     "gpope": gpope_audit,
+    "gpope_paper": gpope_paper_audit,
     "dp_lsw": _dp_lsw,
     "dp_lsl": _dp_lsl,
     "reward_perturbation": reward_perturbation_audit,
@@ -44,6 +45,7 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "dpsgd_step": {"noise_factor": 0.1},
     "mixture": {"noise_factor": 0.1},
     "gpope": {"noise_factor": 0.1},
+    "gpope_paper": {"noise_factor": 0.1},
     "dp_lsw": {"noise_factor": 0.01},  # smooth sensitivity over-covers by alpha ~ 25
     "dp_lsl": {"noise_factor": 0.01},
     "reward_perturbation": {"noise_factor": 0.1},
