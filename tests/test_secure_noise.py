@@ -109,3 +109,13 @@ def test_secure_source_rejects_bad_settings():
         SecureNoiseSource().load_state_dict({"generator": torch.zeros(3), "reproducible": True})
     with pytest.raises(ValidationError, match="sensitivity"):
         discrete_gaussian_delta(1.0, 1.0, sensitivity=0)
+
+
+def test_secure_source_plugs_into_the_release_sites_that_take_a_noise_source():
+    from dporl.privacy.output_perturbation import gaussian_output_perturbation
+
+    source = SecureNoiseSource(granularity=2.0**-6, rng=random.Random(5))
+    value = source.snap(torch.tensor([0.5, -1.25, 3.0], dtype=torch.float64))
+    released = gaussian_output_perturbation(value, 2.0, source)
+    assert torch.equal(released * 64, torch.round(released * 64))  # snapped value + grid noise stays on the grid
+    assert not torch.equal(released, value)

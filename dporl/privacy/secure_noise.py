@@ -39,6 +39,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
+from dporl.privacy.noise import NoiseSource
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
@@ -164,9 +165,9 @@ def discrete_gaussian_epsilon(delta: float, sigma: float, sensitivity: int = 1) 
 
 
 # ---------------------------------------------------------------------------------------------- NoiseSource twin
-class SecureNoiseSource:
-    """Drop-in for ``NoiseSource`` (``gaussian``, ``laplace``, ``state_dict``) that returns exact discrete noise
-    on the grid ``granularity * Z``, drawn from the OS CSPRNG.
+class SecureNoiseSource(NoiseSource):
+    """A ``NoiseSource`` (accepted wherever one is: DP-SGD engine, output perturbation, sparse vector) whose
+    ``gaussian`` and ``laplace`` return exact discrete noise on the grid ``granularity * Z`` from the OS CSPRNG.
 
     A Gaussian of std ``std`` becomes ``granularity * N_Z(0, (std / granularity)^2)``; a Laplace of scale ``b``
     becomes ``granularity * DLap(b / granularity)``. With ``granularity`` a power of two, multiples of it are exact
@@ -174,12 +175,15 @@ class SecureNoiseSource:
     query to the grid (``snap``) adds at most ``granularity / 2`` to each coordinate's sensitivity; account for it
     (sensitivity in grid units ``ceil(Delta / granularity) + 1`` is always safe).
 
-    There is no state to save: ``state_dict`` records only the grid, and a resumed run draws fresh noise.
+    What it protects where: against a leaked seed or checkpointed generator state, everywhere (there is none);
+    against floating-point attacks, where the released value is snapped to the grid before the noise is added
+    (``snap``; dporl's release sites do not do this yet, see the AUDIT note). There is no state to save:
+    ``state_dict`` records only the grid, and a resumed run draws fresh noise.
     """
 
-    reproducible = False
-
     def __init__(self, granularity: float = 2.0**-10, rng: RandomIntegers | None = None):
+        super().__init__()  # the parent's torch generator is never drawn from
+        self.reproducible = False
         granularity = check_positive("noise.granularity", granularity)
         mantissa, _ = math.frexp(granularity)
         if mantissa != 0.5:
