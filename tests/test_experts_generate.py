@@ -13,7 +13,7 @@ from dporl.experts.analytic import (
 )
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.generate import GenerationConfig, RayConfig, _keep_best, generate_experts
-from dporl.experts.ppo import PPOConfig, _gae, train_ppo, variant_env_fn
+from dporl.experts.ppo import PPOConfig, _gae, train_ppo
 from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
 
@@ -70,7 +70,7 @@ def test_keep_best_and_config_validation():
     with pytest.raises(ValidationError, match="keep_best"):
         GenerationConfig(candidates_per_setting=2, keep_best=3)
     with pytest.raises(ValidationError, match="ppo.n_minibatches"):
-        PPOConfig(n_envs=3, n_steps=5, n_minibatches=4)
+        PPOConfig(n_minibatches=0)
     config = from_dict(GenerationConfig, {"family": "ppo", "ppo": {"total_timesteps": 10}, "ray": {"enabled": True}})
     assert config.ppo.total_timesteps == 10 and config.ray.enabled
     with pytest.raises(ValidationError):
@@ -100,7 +100,7 @@ def test_gae_matches_hand_computation():
 
 def test_ppo_learns_cartpole_within_a_small_budget():
     config = PPOConfig(total_timesteps=8192, learning_rate=1e-3)
-    result = train_ppo(variant_env_fn("CartPole-v1", {}, 200), config, seed=0)
+    result = train_ppo("CartPole-v1", {}, config, seed=0, max_episode_steps=200)
     policy = StackedMLPPolicy.from_single([result.actor])
     greedy = evaluate_policies(policy, "CartPole-v1", [{}], episodes=10, max_episode_steps=200, seed=1)[0]
     # A uniformly random policy averages ~22 steps (sd ~12 per episode, so a 10-episode mean above 40 is already

@@ -29,7 +29,7 @@ from dporl.envs.variants import physics_grid
 from dporl.experts.analytic import analytic_experts
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.policies import StackedMLPPolicy, StackedPolicy
-from dporl.experts.ppo import PPOConfig, train_ppo, variant_env_fn
+from dporl.experts.ppo import PPOConfig, train_ppo
 from dporl.utils.config import to_dict
 from dporl.utils.validation import ValidationError
 
@@ -148,8 +148,8 @@ def train_setting(env_id: str, setting: dict, setting_index: int, config: Genera
     actors = []
     for candidate in range(config.candidates_per_setting):
         seed = int(np.random.SeedSequence([config.seed, setting_index, candidate]).generate_state(1)[0])
-        env_fn = variant_env_fn(env_id, setting, config.max_episode_steps, config.env_kwargs)
-        actors.append(train_ppo(env_fn, config.ppo, seed).actor)
+        actors.append(train_ppo(env_id, setting, config.ppo, seed, max_episode_steps=config.max_episode_steps,
+                                env_kwargs=config.env_kwargs).actor)
     candidates = StackedMLPPolicy.from_single(actors)
     eval_seed = int(np.random.SeedSequence([config.seed, setting_index, 2**31]).generate_state(1)[0])
     threads = torch.get_num_threads()

@@ -2,9 +2,9 @@
 
 Clipped surrogate objective, GAE(lambda) advantages (normalised per minibatch), clipped value loss, entropy bonus,
 global gradient-norm clipping, linear learning-rate annealing, separate actor and critic MLPs with orthogonal
-initialisation (the CleanRL recipe). Environments run in a ``SyncVectorEnv`` in same-step autoreset mode; an episode
-cut off by its time limit is bootstrapped with the critic's value of its true final observation (truncation is not
-termination).
+initialisation (the CleanRL recipe). The ``n_envs`` copies run in one vector env (numpy-batched for CartPole and
+HIV) in next-step autoreset mode: the pseudo-step that resets a finished sub-env is masked out; an episode cut off by
+its time limit is bootstrapped with the critic's value of its true final observation (truncation is not termination).
 
 All randomness comes from one ``torch.Generator`` and the env seeds derived from ``seed`` (no global RNG), and the
 training runs single-threaded, so a (setting, seed) pair gives the same actor in-process and in a Ray worker.
@@ -14,17 +14,14 @@ The actor is an ``nn.Sequential(Linear, act, ..., Linear)`` of logits, ready for
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.vector import AutoresetMode
 from torch import nn
 
-import dporl.envs  # noqa: F401  (registers the dporl/ environment ids)
-from dporl.envs.variants import VARIANT_SPECS, make_variant
-from dporl.experts.collect import time_limit_kwargs
+from dporl.experts.collect import make_vector_env
 from dporl.experts.expert_set import sample_from_log_probs
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -49,6 +46,7 @@ class PPOConfig:
     entropy_coef: float = 0.01
     value_coef: float = 0.5
     max_grad_norm: float = 0.5
+    reward_scale: float = 1.0  # rewards are multiplied by this for learning (HIV's are ~1e5 per step)
 
     def __post_init__(self) -> None:
         for name in ("actor_hidden_sizes", "critic_hidden_sizes"):
@@ -58,14 +56,13 @@ class PPOConfig:
         for name in ("total_timesteps", "n_envs", "n_steps", "update_epochs", "n_minibatches"):
             if getattr(self, name) < 1:
                 raise ValidationError(f"ppo.{name}", f"must be >= 1, got {getattr(self, name)}")
-        if (self.n_envs * self.n_steps) % self.n_minibatches:
-            raise ValidationError("ppo.n_minibatches", "must divide n_envs * n_steps")
         check_positive("ppo.learning_rate", self.learning_rate)
         check_probability("ppo.gamma", self.gamma)
         check_probability("ppo.gae_lambda", self.gae_lambda)
         check_positive("ppo.clip_coef", self.clip_coef)
         for name in ("entropy_coef", "value_coef", "max_grad_norm"):
             check_positive(f"ppo.{name}", getattr(self, name), allow_zero=True)
+        check_positive("ppo.reward_scale", self.reward_scale)
 
     @property
     def batch_size(self) -> int:
@@ -102,10 +99,22 @@ class PPOResult:
     timesteps: int
 
 
-def train_ppo(env_fn: Callable[[], gym.Env], config: PPOConfig, seed: int) -> PPOResult:
-    """Train one actor on ``config.n_envs`` copies of ``env_fn()``; deterministic given ``seed``."""
+def train_ppo(
+    env_id: str,
+    setting: Mapping[str, Any],
+    config: PPOConfig,
+    seed: int,
+    *,
+    max_episode_steps: int,
+    env_kwargs: Mapping[str, Any] | None = None,
+) -> PPOResult:
+    """Train one actor on ``config.n_envs`` copies of physics ``setting`` ({} = default); deterministic given seed.
+
+    The copies form one batched vector env where the environment has one (CartPole, HIV: numpy over sub-envs),
+    a ``SyncVectorEnv`` otherwise.
+    """
     generator = torch.Generator().manual_seed(seed)
-    envs = gym.vector.SyncVectorEnv([env_fn for _ in range(config.n_envs)], autoreset_mode=AutoresetMode.SAME_STEP)
+    envs = make_vector_env(env_id, config.n_envs, max_episode_steps, [dict(setting)] * config.n_envs, env_kwargs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per expert; also makes results independent of the host's thread count
     try:
@@ -115,7 +124,7 @@ def train_ppo(env_fn: Callable[[], gym.Env], config: PPOConfig, seed: int) -> PP
         envs.close()
 
 
-def _train(envs: gym.vector.SyncVectorEnv, config: PPOConfig, seed: int, generator: torch.Generator) -> PPOResult:
+def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: torch.Generator) -> PPOResult:
     space = envs.single_action_space
     if not isinstance(space, gym.spaces.Discrete):
         raise ValidationError("env_id", f"PPO here needs a discrete action space, got {space}")
@@ -132,9 +141,13 @@ def _train(envs: gym.vector.SyncVectorEnv, config: PPOConfig, seed: int, generat
     rewards_buf = torch.zeros(n_steps, n_envs)
     dones_buf = torch.zeros(n_steps, n_envs)  # 1 where the transition ended its episode (either way)
     values_buf = torch.zeros(n_steps, n_envs)
+    valid_buf = torch.zeros(n_steps, n_envs, dtype=torch.bool)
 
     obs, _ = envs.reset(seed=seed)
-    obs = torch.as_tensor(obs, dtype=torch.float32).reshape(n_envs, -1)
+    obs = torch.as_tensor(np.asarray(obs), dtype=torch.float32).reshape(n_envs, -1)
+    # Next-step autoreset: the step after an episode ends only resets that sub-env (action ignored, no reward);
+    # that pseudo-transition is masked out of the loss and cut off from the episode before it (done = 1 there).
+    resetting = np.zeros(n_envs, dtype=bool)
     running = np.zeros(n_envs)
     finished: list[float] = []
     n_updates = max(1, config.total_timesteps // config.batch_size)
@@ -148,28 +161,33 @@ def _train(envs: gym.vector.SyncVectorEnv, config: PPOConfig, seed: int, generat
                 values_buf[t] = critic(obs).squeeze(-1)
             obs_buf[t], actions_buf[t] = obs, action
             log_probs_buf[t] = log_probs.gather(1, action[:, None]).squeeze(1)
-            next_obs, reward, terminated, truncated, info = envs.step(action.numpy())
-            reward = np.asarray(reward, dtype=np.float64)
+            valid_buf[t] = torch.from_numpy(~resetting)
+            next_obs, reward, terminated, truncated, _ = envs.step(action.numpy())
+            next_obs = torch.as_tensor(np.asarray(next_obs), dtype=torch.float32).reshape(n_envs, -1)
+            reward = np.where(resetting, 0.0, np.asarray(reward, dtype=np.float64))
+            terminated = np.asarray(terminated) & ~resetting
+            truncated = np.asarray(truncated) & ~resetting
             running += reward
-            cut = np.asarray(truncated) & ~np.asarray(terminated)
-            if cut.any():  # bootstrap a time-limit cut with V(true final observation)
-                final = np.stack([np.asarray(info["final_obs"][i], dtype=np.float32).reshape(-1)
-                                  for i in np.flatnonzero(cut)])
+            cut = truncated & ~terminated
+            scaled = reward * config.reward_scale
+            if cut.any():  # a time-limit cut is not an ending: bootstrap with V(final obs), returned this step
                 with torch.no_grad():
-                    reward[cut] += config.gamma * critic(torch.from_numpy(final)).squeeze(-1).numpy()
-            done = np.asarray(terminated) | np.asarray(truncated)
+                    scaled[cut] += config.gamma * critic(next_obs[torch.from_numpy(cut)]).squeeze(-1).numpy()
+            done = terminated | truncated
             for i in np.flatnonzero(done):
                 finished.append(float(running[i]))
                 running[i] = 0.0
-            rewards_buf[t] = torch.as_tensor(reward, dtype=torch.float32)
+            rewards_buf[t] = torch.as_tensor(scaled, dtype=torch.float32)
             dones_buf[t] = torch.as_tensor(done, dtype=torch.float32)
-            obs = torch.as_tensor(next_obs, dtype=torch.float32).reshape(n_envs, -1)
+            resetting = done
+            obs = next_obs
         with torch.no_grad():
             advantages = _gae(rewards_buf, values_buf, dones_buf, critic(obs).squeeze(-1), config.gamma,
                               config.gae_lambda)
-        _update(actor, critic, optimizer, params, config, generator, obs_buf.reshape(-1, obs_dim),
-                actions_buf.reshape(-1), log_probs_buf.reshape(-1), advantages.reshape(-1),
-                (advantages + values_buf).reshape(-1), values_buf.reshape(-1))
+        valid = valid_buf.reshape(-1)
+        _update(actor, critic, optimizer, params, config, generator, obs_buf.reshape(-1, obs_dim)[valid],
+                actions_buf.reshape(-1)[valid], log_probs_buf.reshape(-1)[valid], advantages.reshape(-1)[valid],
+                (advantages + values_buf).reshape(-1)[valid], values_buf.reshape(-1)[valid])
     actor.requires_grad_(False)
     return PPOResult(actor, finished, n_updates * config.batch_size)
 
@@ -191,11 +209,12 @@ def _gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_
 
 def _update(actor, critic, optimizer, params, config: PPOConfig, generator, obs, actions, old_log_probs, advantages,
             returns, old_values) -> None:
-    minibatch = config.batch_size // config.n_minibatches
+    rows = len(actions)  # valid transitions of this rollout (reset steps removed)
     for _ in range(config.update_epochs):
-        order = torch.randperm(config.batch_size, generator=generator)
-        for start in range(0, config.batch_size, minibatch):
-            index = order[start:start + minibatch]
+        order = torch.randperm(rows, generator=generator)
+        for index in order.tensor_split(config.n_minibatches):
+            if len(index) < 2:
+                continue
             log_probs = torch.log_softmax(actor(obs[index]), dim=-1)
             new_log_prob = log_probs.gather(1, actions[index, None]).squeeze(1)
             ratio = (new_log_prob - old_log_probs[index]).exp()
@@ -211,17 +230,3 @@ def _update(actor, critic, optimizer, params, config: PPOConfig, generator, obs,
             loss.backward()
             nn.utils.clip_grad_norm_(params, config.max_grad_norm)
             optimizer.step()
-
-
-def variant_env_fn(env_id: str, params: Mapping[str, Any], max_episode_steps: int,
-                   env_kwargs: Mapping[str, Any] | None = None) -> Callable[[], gym.Env]:
-    """Factory for one physics variant (default physics when ``params`` is empty); ``env_kwargs`` go to make."""
-    params = dict(params)
-    kwargs = {**time_limit_kwargs(env_id, max_episode_steps), **dict(env_kwargs or {})}
-
-    def make() -> gym.Env:
-        if not params and env_id not in VARIANT_SPECS:
-            return gym.make(env_id, **kwargs)
-        return make_variant(env_id, params, **kwargs)
-
-    return make
