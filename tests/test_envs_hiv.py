@@ -8,6 +8,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import dporl.envs  # noqa: F401  (registers the ids)
+from dporl.envs import hiv
 from dporl.envs.hiv import (
     ACTION_EFFICACIES,
     HEALTHY_EQUILIBRIUM,
@@ -61,21 +62,24 @@ def test_structured_solver_matches_dense_solve():
     s = rng.uniform(0.05, 50.0, n)
     b = rng.normal(size=(n, 6))
     dense = np.linalg.solve(s[:, None, None] * np.eye(6) - G, b[..., None])[..., 0]
-    rates, terms = _log_rates(np.log(y).T.copy(), _drug_coefficients(eps[:, 0], eps[:, 1], HIVParameters()), HIVParameters())
+    drugs = _drug_coefficients(eps[:, 0], eps[:, 1], HIVParameters())
+    rates, terms = _log_rates(y.T.copy(), drugs, HIVParameters())
     np.testing.assert_allclose(rates.T, f / y, rtol=1e-12, atol=1e-12 * np.abs(f / y).max())
     structured = _RosenbrockSolver(terms, s, HIVParameters())(b.T.copy()).T
     np.testing.assert_allclose(structured, dense, rtol=1e-8, atol=1e-10 * np.abs(dense).max())
 
 
-def test_matches_scipy_lsoda_one_interval_at_a_time():
+@pytest.mark.parametrize("small_batch", [0, 8], ids=["batched", "one-by-one"])
+def test_matches_scipy_lsoda_one_interval_at_a_time(monkeypatch, small_batch):
     """Each interval restarts the reference from the simulator's own state, so this measures one interval's error.
 
     The local error of each Rosenbrock step on log-state is controlled to ``tolerance`` (1e-5 here); an interval
     takes ~20-80 steps and errors are damped by the stable dynamics, so we require 1e-4 relative error per
     interval (measured: ~5e-6). The reference is LSODA at rtol 1e-10 (agrees with Radau at rtol 1e-10).
     """
+    monkeypatch.setattr(hiv, "_SMALL_BATCH", small_batch)  # exercise both integration paths
     rng = np.random.default_rng(2)
-    n_patients, n_steps = 4, 10
+    n_patients, n_steps = 4, 6
     sim = HIVVectorSimulator(n_patients, tolerance=1e-5)
     for _ in range(n_steps):
         actions = rng.integers(0, 4, n_patients)
@@ -85,6 +89,19 @@ def test_matches_scipy_lsoda_one_interval_at_a_time():
         for i in range(n_patients):
             reference = integrate_scipy(before[i], int(actions[i]), 5.0)
             np.testing.assert_allclose(after[i], reference, rtol=1e-4)
+
+
+def test_batched_and_one_by_one_paths_agree(monkeypatch):
+    """Same method, same step-size decisions: the two paths differ only by floating-point rounding."""
+    actions = np.random.default_rng(4).integers(0, 4, size=(5, 3))
+    finals = []
+    for small_batch in (0, 8):
+        monkeypatch.setattr(hiv, "_SMALL_BATCH", small_batch)
+        sim = HIVVectorSimulator(3)
+        for step_actions in actions:
+            sim.step(step_actions)
+        finals.append(sim.state)
+    np.testing.assert_allclose(finals[0], finals[1], rtol=1e-8)
 
 
 @pytest.mark.parametrize("published", [UNHEALTHY_EQUILIBRIUM, HEALTHY_EQUILIBRIUM], ids=["unhealthy", "healthy"])

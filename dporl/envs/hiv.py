@@ -7,7 +7,9 @@ treatment interval; observation log10 of the state. Equations and constants: /wo
 Why a hand-written integrator: the ODE is stiff (rates from 0.01/day to ~20/day) and scipy's solve_ivp handles
 one patient per call, so logging tens of thousands of patient-steps costs minutes. ``HIVVectorSimulator``
 integrates every patient at once with a 4th-order Rosenbrock method (Kaps-Rentrop / Shampine parameters, embedded
-3rd-order error estimate) using the analytic Jacobian, batched 6x6 linear algebra, and a step size per patient.
+3rd-order error estimate) using the analytic Jacobian (the 6x6 solves by block elimination, vectorised over
+patients), and a step size per patient. Batches of at most 8 patients go one by one in scalar arithmetic, which
+beats numpy's per-call overhead there, so even the single-patient Gymnasium env is faster than solve_ivp.
 It integrates the logarithm of the state: positivity holds by construction and the absolute tolerance on
 log-state is a relative tolerance on every cell count (they span 1 to 1e6). ``integrate_scipy`` is the
 one-patient reference the tests and the benchmark compare against.
@@ -260,56 +262,111 @@ class HIVVectorSimulator:
         return np.where(active, reward, 0.0)
 
     def _integrate(self, x: np.ndarray, e1: np.ndarray, e2: np.ndarray, patient_index: np.ndarray) -> np.ndarray:
-        """Adaptive Rosenbrock on the log-state ``x[m, 6]`` of the given patients over one treatment interval.
+        """Adaptive Rosenbrock on the log-state ``x[m, 6]`` of the given patients over one treatment interval."""
+        drugs = _drug_coefficients(e1, e2, self.params)
+        h = np.minimum(self._step_size[patient_index], self.treatment_interval)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a failed trial step is rejected
+            if len(x) <= _SMALL_BATCH:
+                results = [self._integrate_one(x[i], drugs[:, i], float(h[i])) for i in range(len(x))]
+                x = np.array([r[0] for r in results]).reshape(x.shape)
+                h = np.array([r[1] for r in results])
+                stats = np.array([r[2] for r in results], dtype=np.int64).reshape(-1, 3).sum(axis=0)
+            else:
+                x, h, stats = self._integrate_batch(x, drugs, h)
+        self._step_size[patient_index] = h
+        self.last_stats = dict(zip(("accepted", "rejected", "iterations"), (int(v) for v in stats)))
+        return x
 
-        The working arrays hold only patients still integrating; they are compacted when some finish, so most
-        iterations do no gather/scatter at all.
-        """
+    def _integrate_one(self, x: np.ndarray, drugs: np.ndarray, h: float) -> tuple[np.ndarray, float, tuple]:
+        """One patient: plain Python control flow on 6-vectors (numpy calls on [6, 1] rows cost more than math)."""
+        duration, t, accepted, rejected = self.treatment_interval, 0.0, 0, 0
+        drugs = drugs.tolist()
+        while t < duration * (1.0 - 1e-12):
+            if accepted + rejected >= self.max_iterations:
+                raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
+            step = min(h, duration - t)
+            x_new, error = _trial_step(x, drugs, step, self.params, self.tolerance)
+            h = float(_next_step_size(error, step, h))
+            if h < 1e-12 * duration:
+                raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
+            if error <= 1.0:
+                x, t, accepted = x_new, t + step, accepted + 1
+            else:
+                rejected += 1
+        return x, h, (accepted, rejected, accepted + rejected)
+
+    def _integrate_batch(self, x: np.ndarray, drugs: np.ndarray, h_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """Many patients at once, each with its own step size. The working arrays hold only patients still
+        integrating; they are compacted when some finish, so most iterations do no gather/scatter at all."""
         duration = self.treatment_interval
         out = np.ascontiguousarray(x.T)  # component-major [6, m]: every component is a contiguous row
-        h_out = np.minimum(self._step_size[patient_index], duration)
+        h_out = h_out.copy()
         working = np.arange(out.shape[1])  # positions (in out) of the patients still integrating
         xs, h, t = out.copy(), h_out.copy(), np.zeros(out.shape[1])
-        drugs = _drug_coefficients(e1, e2, self.params)
         accepted = rejected = iterations = 0
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # a failed trial step is rejected
-            while working.size:
-                iterations += 1
-                if iterations > self.max_iterations:
-                    raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
-                step = np.minimum(h, duration - t)
-                g0, terms = _log_rates(xs, drugs, self.params)
-                solve = _RosenbrockSolver(terms, 1.0 / (_GAM * step), self.params)
-                inv_h = 1.0 / step
-                k1 = solve(g0)
-                g1 = _log_rates(xs + _A21 * k1, drugs, self.params)[0]
-                k2 = solve(g1 + (_C21 * inv_h) * k1)
-                g2 = _log_rates(xs + _A31 * k1 + _A32 * k2, drugs, self.params)[0]
-                k3 = solve(g2 + inv_h * (_C31 * k1 + _C32 * k2))
-                k4 = solve(g2 + inv_h * (_C41 * k1 + _C42 * k2 + _C43 * k3))
-                error = np.abs(_E1 * k1 + _E2 * k2 + _E4 * k4).max(axis=0) / self.tolerance
-                error = np.where(np.isfinite(error), error, np.inf)  # NaN/inf anywhere in a stage: reject
-                ok = error <= 1.0
-                xs = np.where(ok, xs + _B1 * k1 + _B2 * k2 + _B3 * k3 + _B4 * k4, xs)
-                t = np.where(ok, t + step, t)
-                # Standard controller: grow by err^(-1/4) (order 4) on success, shrink by err^(-1/3) on failure.
-                # A step shortened to land on the interval's end says little about the next step size.
-                grow = np.maximum(step * np.clip(0.9 * error**-0.25, 0.2, 5.0), np.where(step < h, h, 0.0))
-                h = np.where(ok, grow, step * np.clip(0.9 * error ** (-1.0 / 3.0), 0.1, 0.5))
-                if np.any(h < 1e-12 * duration):
-                    raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
-                n_ok = int(np.count_nonzero(ok))
-                accepted += n_ok
-                rejected += ok.size - n_ok
-                finished = t >= duration * (1.0 - 1e-12)
-                if finished.any():
-                    out[:, working[finished]] = xs[:, finished]
-                    h_out[working[finished]] = h[finished]
-                    keep = ~finished
-                    working, xs, drugs, h, t = working[keep], xs[:, keep], drugs[:, keep], h[keep], t[keep]
-        self._step_size[patient_index] = h_out
-        self.last_stats = {"accepted": accepted, "rejected": rejected, "iterations": iterations}
-        return out.T
+        while working.size:
+            iterations += 1
+            if iterations > self.max_iterations:
+                raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
+            step = np.minimum(h, duration - t)
+            x_new, error = _trial_step(xs, drugs, step, self.params, self.tolerance)
+            ok = error <= 1.0
+            xs = np.where(ok, x_new, xs)
+            t = np.where(ok, t + step, t)
+            h = _next_step_size(error, step, h)
+            if np.any(h < 1e-12 * duration):
+                raise RuntimeError("HIV integrator: step size underflow (state left the model's range?)")
+            n_ok = int(np.count_nonzero(ok))
+            accepted += n_ok
+            rejected += ok.size - n_ok
+            finished = t >= duration * (1.0 - 1e-12)
+            if finished.any():
+                out[:, working[finished]] = xs[:, finished]
+                h_out[working[finished]] = h[finished]
+                keep = ~finished
+                working, xs, drugs, h, t = working[keep], xs[:, keep], drugs[:, keep], h[keep], t[keep]
+        return out.T, h_out, (accepted, rejected, iterations)
+
+
+# Up to this many patients, integrating them one by one with scalar arithmetic beats the batched path
+# (which pays a fixed numpy-call overhead per iteration, and iterates as long as its slowest patient).
+_SMALL_BATCH = 8
+
+
+def _components(a: np.ndarray) -> Any:
+    """Rows of a [6, m] array, or Python floats of a 6-vector (scalar arithmetic is much cheaper than numpy's)."""
+    return a.tolist() if a.ndim == 1 else a
+
+
+def _trial_step(x: np.ndarray, drugs: Any, step: Any, p: HIVParameters, tolerance: float) -> tuple[np.ndarray, Any]:
+    """One Rosenbrock step of size ``step`` from log-states ``x`` ([6, m], or [6] for one patient).
+
+    Returns the candidate state and its error relative to ``tolerance`` (accept when <= 1; inf when a stage
+    produced a non-finite value)."""
+    try:
+        g0, terms = _log_rates(_components(np.exp(x)), drugs, p)
+        solve = _RosenbrockSolver(terms, 1.0 / (_GAM * step), p)
+        inv_h = 1.0 / step
+        k1 = solve(g0)
+        g1 = _log_rates(_components(np.exp(x + _A21 * k1)), drugs, p)[0]
+        k2 = solve(g1 + (_C21 * inv_h) * k1)
+        g2 = _log_rates(_components(np.exp(x + _A31 * k1 + _A32 * k2)), drugs, p)[0]
+        k3 = solve(g2 + inv_h * (_C31 * k1 + _C32 * k2))
+        k4 = solve(g2 + inv_h * (_C41 * k1 + _C42 * k2 + _C43 * k3))
+    except (ZeroDivisionError, OverflowError):  # scalar path only: a component under/overflowed
+        return x, np.inf
+    error = np.abs(_E1 * k1 + _E2 * k2 + _E4 * k4).max(axis=0) / tolerance
+    error = np.where(np.isfinite(error), error, np.inf)
+    return x + _B1 * k1 + _B2 * k2 + _B3 * k3 + _B4 * k4, error
+
+
+def _next_step_size(error: Any, step: Any, h: Any) -> Any:
+    """Standard controller: grow by err^(-1/4) (order 4) after success, shrink by err^(-1/3) after failure.
+
+    A step shortened to land on the interval's end (step < h) says little about the next step size: keep h."""
+    grow = np.maximum(step * np.minimum(np.maximum(0.9 * error**-0.25, 0.2), 5.0), np.where(step < h, h, 0.0))
+    shrink = step * np.minimum(np.maximum(0.9 * error ** (-1.0 / 3.0), 0.1), 0.5)
+    return np.where(error <= 1.0, grow, shrink)
 
 
 def _drug_coefficients(e1: np.ndarray, e2: np.ndarray, p: HIVParameters) -> np.ndarray:
@@ -320,21 +377,22 @@ def _drug_coefficients(e1: np.ndarray, e2: np.ndarray, p: HIVParameters) -> np.n
     return np.stack([a1, a2, (1.0 - e2) * (p.NT * p.delta), p.rho1 * a1, p.rho2 * a2])
 
 
-def _log_rates(x: np.ndarray, drugs: np.ndarray, p: HIVParameters) -> tuple[np.ndarray, dict]:
-    """d(log y)/dt for log-states ``x[6, m]`` (component-major), and the terms the Jacobian reuses."""
-    y = np.exp(x)
+def _log_rates(y: Any, drugs: Any, p: HIVParameters) -> tuple[np.ndarray, dict]:
+    """d(log y)/dt, ``[6, m]`` (or ``[6]``), from the 6 components of the state y (rows of a component-major
+    [6, m] array, or floats), and the terms the Jacobian reuses."""
     T1, T2, I1, I2, V, E = y
     a1, a2, production, ra1, ra2 = drugs
     infected = I1 + I2
     a1V, a2V = a1 * V, a2 * V  # infection rate per healthy cell
     u1, u2 = a1V * T1 / I1, a2V * T2 / I2  # new infected cells per infected cell
-    rates = np.empty_like(x)
-    rates[0] = p.l1 / T1 - p.d1 - a1V
-    rates[1] = p.l2 / T2 - p.d2 - a2V
-    rates[2] = u1 - p.delta - p.m1 * E
-    rates[3] = u2 - p.delta - p.m2 * E
-    rates[4] = production * infected / V - p.c - ra1 * T1 - ra2 * T2
-    rates[5] = p.lE / E + p.bE * infected / (infected + p.Kb) - p.dE * infected / (infected + p.Kd) - p.deltaE
+    rates = np.array([
+        p.l1 / T1 - p.d1 - a1V,
+        p.l2 / T2 - p.d2 - a2V,
+        u1 - p.delta - p.m1 * E,
+        u2 - p.delta - p.m2 * E,
+        production * infected / V - p.c - ra1 * T1 - ra2 * T2,
+        p.lE / E + p.bE * infected / (infected + p.Kb) - p.dE * infected / (infected + p.Kd) - p.deltaE,
+    ])
     terms = dict(y=y, drugs=drugs, a1V=a1V, a2V=a2V, u1=u1, u2=u2, infected=infected)
     return rates, terms
 
@@ -382,20 +440,18 @@ class _RosenbrockSolver:
         self.inv_det = 1.0 / (self.A * self.D - self.B * self.C)
 
     def __call__(self, b: np.ndarray) -> np.ndarray:
+        b = _components(b)
         p0 = b[0] * self.inv00
         p1 = b[1] * self.inv11
         p2 = (b[2] + self.u1 * p0) * self.inv22
         p3 = (b[3] + self.u2 * p1) * self.inv33
         c4 = b[4] - self.m40 * p0 - self.m41 * p1 - self.m42 * p2 - self.m43 * p3
         c5 = b[5] - self.m52 * p2 - self.m53 * p3
-        x = np.empty_like(b)
-        x[4] = x4 = (c4 * self.D - self.B * c5) * self.inv_det
-        x[5] = x5 = (self.A * c5 - self.C * c4) * self.inv_det
-        x[0] = p0 + self.q0 * x4
-        x[1] = p1 + self.q1 * x4
-        x[2] = p2 + self.q2 * x4 + self.r2 * x5
-        x[3] = p3 + self.q3 * x4 + self.r3 * x5
-        return x
+        x4 = (c4 * self.D - self.B * c5) * self.inv_det
+        x5 = (self.A * c5 - self.C * c4) * self.inv_det
+        return np.array([
+            p0 + self.q0 * x4, p1 + self.q1 * x4, p2 + self.q2 * x4 + self.r2 * x5, p3 + self.q3 * x4 + self.r3 * x5, x4, x5
+        ])
 
 
 class HIVTreatmentEnv(gym.Env):
