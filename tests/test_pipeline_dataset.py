@@ -73,6 +73,14 @@ def test_pipeline_config_errors_name_the_field():
         from_dict(pipeline.config_cls, {**TINY, "trajectories_per_expert": 0})
 
 
+def test_impossible_p_min_is_refused_before_any_work(tmp_path):
+    # CartPole has 2 actions: argmax softening needs p_min < 1/2.
+    with pytest.raises(ValidationError) as info:
+        _run(tmp_path, p_min=0.5)
+    assert info.value.field == "expert_set.p_min"
+    assert not (tmp_path / "experts.pt").exists()
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -63,7 +63,7 @@ class ExpertSet(nn.Module):
             raise ValidationError("expert_set.n_actions", f"need at least 2 actions, got {policy.n_actions}")
         self.policy = policy
         self.softening = softening
-        self.p_min = _check_p_min(p_min, policy.n_actions, softening)
+        self.p_min = check_p_min(p_min, policy.n_actions, softening)
         self.info = dict(info or {})
         _check_json_safe("expert_set.info", self.info)
         self._path: str | None = None
@@ -238,7 +238,8 @@ def sample_from_log_probs(log_probs: torch.Tensor, generator: torch.Generator) -
     return actions.clamp_(max=log_probs.shape[-1] - 1)
 
 
-def _check_p_min(p_min: float | None, n_actions: int, softening: str) -> float | None:
+def check_p_min(p_min: float | None, n_actions: int, softening: str) -> float | None:
+    """The p_min an ExpertSet accepts: (0, 1/n_A) for argmax softening, (0, 1/n_A] or None for raw softmax."""
     if p_min is None:
         if softening == "argmax":
             raise ValidationError("expert_set.p_min", "argmax softening needs a p_min in (0, 1/n_actions)")

@@ -15,8 +15,8 @@ from typing import Any, Literal, Optional
 
 import numpy as np
 
-from dporl.experts.collect import collect
-from dporl.experts.expert_set import ExpertSet
+from dporl.experts.collect import collect, make_vector_env
+from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
@@ -50,6 +50,8 @@ class DatasetConfig:
 
 def run(config: DatasetConfig) -> dict[str, Any]:
     out_dir = Path(config.out_dir)
+    # Refuse an impossible p_min before spending minutes to hours on experts.
+    check_p_min(config.p_min, _action_count(config.experts.env_id, config.experts.env_kwargs), config.softening)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if config.expert_set_path is None:
@@ -100,6 +102,14 @@ def run(config: DatasetConfig) -> dict[str, Any]:
           f"{timings['experts_s']:.1f}s + {timings['logging_s']:.1f}s; mean logged return "
           f"{float(np.mean(logged)):.1f}; saved under {out_dir}")
     return summary
+
+
+def _action_count(env_id: str, env_kwargs: dict) -> int:
+    env = make_vector_env(env_id, 1, 1, env_kwargs=env_kwargs)
+    try:
+        return int(env.single_action_space.n)
+    finally:
+        env.close()
 
 
 def _per_expert_mean_return(dataset) -> list[float]:
