@@ -89,3 +89,17 @@ def test_config_files_parse_and_bad_values_fail(tmp_path):
         tiny_config(tmp_path, gpope={"mode": "paper", "accountant": "prv"})
     with pytest.raises(ValidationError, match="unknown key"):
         tiny_config(tmp_path, gpope={"stepsize": 0.1})
+
+
+def test_mountain_car_off_policy_runs_gpope_against_wis_lstd_only(tmp_path):
+    # Continuous states: DP-LSW / DP-LSL are not run (their analysis needs a finite state space).
+    config = tiny_config(
+        tmp_path, experiment="mountain_car", m_values=[6],
+        mountain_car={"fourier_order": 2, "q_learning_episodes": 1, "heldout_trajectories": 4, "off_policy": True,
+                      "max_episode_steps": 15},
+    )
+    summary = get_pipeline("ope").run(config)
+    methods = {row["method"]: row for row in summary["table"]}
+    assert set(methods) == {"wis-lstd (non-private)", "theta = 0 (no data)", "gpope (1x step)"}
+    assert 0 < methods["gpope (1x step)"]["epsilon"] <= config.epsilon
+    assert math.isfinite(methods["gpope (1x step)"]["mspbe_mean"])

@@ -589,8 +589,11 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
     for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
         series = {}
         for method in dict.fromkeys(e["method"] for e in table):
-            picked = [e for e in table if e["method"] == method]
-            series[method] = ([e["m"] for e in picked], [e[f"{key}_mean"] for e in picked], None)
+            picked = [e for e in table if e["method"] == method and math.isfinite(e[f"{key}_mean"]) and e[f"{key}_mean"] > 0]
+            if picked:
+                series[method] = ([e["m"] for e in picked], [e[f"{key}_mean"] for e in picked], None)
+        if not series:  # e.g. no RMSE without closed-form values (Mountain Car)
+            continue
         plot_lines(run_dir / f"{key}_vs_m.png", series, xlabel="trajectories m", ylabel=label, logx=True, logy=True,
                    title=f"{config.experiment}, epsilon={config.epsilon}, delta={config.delta}")
     summary = {"config": to_dict(config), "table": table, "tuned": {str(k): v for k, v in tuned.items()},
