@@ -103,3 +103,16 @@ def test_mountain_car_off_policy_runs_gpope_against_wis_lstd_only(tmp_path):
     assert set(methods) == {"wis-lstd (non-private)", "theta = 0 (no data)", "gpope (1x step)"}
     assert 0 < methods["gpope (1x step)"]["epsilon"] <= config.epsilon
     assert math.isfinite(methods["gpope (1x step)"]["mspbe_mean"])
+
+
+def test_given_noise_multiplier_runs_the_most_steps_the_budget_allows(tmp_path):
+    from dporl.privacy.calibration import max_steps
+
+    config = tiny_config(tmp_path, epsilon=1.0, gpope={"noise_multiplier": 2.0}, output_perturbation={"methods": []})
+    summary = get_pipeline("ope").run(config)
+    gpope_row = next(row for row in summary["table"] if row["method"].startswith("gpope"))
+    run_summary = json.loads((tmp_path / "run" / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    allowed = max_steps(PoissonGaussianEvent(2.0, 1 / 20), 1.0, config.delta, mechanism="rdp")
+    assert run_summary["steps"] == allowed > 20
+    assert run_summary["noise_multiplier"] == 2.0
+    assert gpope_row["epsilon"] <= 1.0

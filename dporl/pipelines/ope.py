@@ -29,6 +29,7 @@ from dporl.eval.ope_metrics import exact_td_statistics, mspbe, on_policy_distrib
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
 from dporl.privacy.accountants import analysis_name
+from dporl.privacy.calibration import max_steps
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.samplers import FixedSizeSource, PoissonUnitSource
@@ -76,7 +77,9 @@ class MountainCarSettings:
 class GPOPESettings:
     mode: Literal["poisson", "paper"] = "poisson"
     expected_batch_size: float = 1.0  # Poisson: sample rate q = expected_batch_size / m (1: the paper's rate)
-    epochs: float = 1.0  # iterations N = epochs * m / expected_batch_size
+    epochs: float = 1.0  # iterations N = epochs * m / expected_batch_size (when noise_multiplier is None)
+    # None: sigma calibrated so that N iterations fit (epsilon, delta). Given: N = the most iterations that fit.
+    noise_multiplier: Optional[float] = None
     clip_norm: float = 1.0  # the paper's h
     step_size: Optional[float] = None  # None: tuned on public data over step_size_grid, separately for every m
     step_size_grid: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0])
@@ -91,6 +94,8 @@ class GPOPESettings:
         check_positive("gpope.clip_norm", self.clip_norm)
         if self.step_size is not None:
             check_positive("gpope.step_size", self.step_size)
+        if self.noise_multiplier is not None:
+            check_positive("gpope.noise_multiplier", self.noise_multiplier)
         if not self.step_size_grid or not self.step_size_multipliers:
             raise ValidationError("gpope.step_size_grid", "needs at least one step size and one multiplier")
         for i, value in enumerate(self.step_size_grid + self.step_size_multipliers):
@@ -421,6 +426,11 @@ def run_gpope(
     else:
         source = FixedSizeSource(data, units, m, sample_size=1)
         steps = max(1, round(settings.epochs * m))
+    if settings.noise_multiplier is not None:  # N for (sigma, epsilon, delta): the most steps the budget allows
+        steps = max_steps(source.step_event(settings.noise_multiplier), config.epsilon, config.delta,
+                          mechanism=settings.accountant)
+        if steps == 0:
+            raise ValidationError("gpope.noise_multiplier", f"not one step fits epsilon={config.epsilon} at this noise")
     ledger = PrivacyLedger()
     ledger.stage("train", budget=(config.epsilon, config.delta), mechanism=settings.accountant, unit="trajectory")
     module = GPOPE(problem.features, GPOPEConfig(gamma=config.gamma), target_policy=problem.target_policy)
@@ -433,7 +443,8 @@ def run_gpope(
             optimizer=OptimizerConfig(name="sgd", lr=step_size, schedule=settings.schedule, time_offset=settings.time_offset),
         ),
         dp=DPConfig(
-            epsilon=config.epsilon, delta=config.delta, max_grad_norm=settings.clip_norm, accountant=settings.accountant,
+            epsilon=config.epsilon, delta=config.delta, noise_multiplier=settings.noise_multiplier,
+            max_grad_norm=settings.clip_norm, accountant=settings.accountant,
             clipping="naive", noise_seed=noise_seed,
         ),
         ledger=ledger,
