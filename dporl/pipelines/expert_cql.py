@@ -288,22 +288,21 @@ def run(config: ExpertCQLConfig) -> dict:
         )
 
     algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit="expert")
-    evaluate, env = returns_evaluator(config.eval, meta.env_id)
     pipeline_config = {**to_dict(config), "resolved": {"env_id": config.eval.env_id or meta.env_id}}
-    trainer = Trainer(
-        algorithm,
-        source,
-        config=config.trainer,
-        dp=dp,
-        ledger=ledger,
-        run_dir=run_dir,
-        pipeline="expert_cql",
-        pipeline_config=pipeline_config,
-        stage=TRAIN_STAGE,
-        evaluators={"eval": evaluate},
-    )
+    evaluate, env = returns_evaluator(config.eval, meta.env_id)
     try:
-        result = trainer.fit()
+        result = Trainer(
+            algorithm,
+            source,
+            config=config.trainer,
+            dp=dp,
+            ledger=ledger,
+            run_dir=run_dir,
+            pipeline="expert_cql",
+            pipeline_config=pipeline_config,
+            stage=TRAIN_STAGE,
+            evaluators={"eval": evaluate},
+        ).fit()
     finally:
         env.close()
 
