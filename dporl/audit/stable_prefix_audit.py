@@ -74,10 +74,12 @@ def stable_prefix_audit(
     n_experts: int = 20,
     p_min: float = 0.2,
     horizon: int = 10,
+    trajectories: int = 1,
     threshold_factor: float = 1.0,
     noise_factor: float = 1.0,
 ) -> Experiment:
-    """One run (T = 1) of the release with stage budget (epsilon, delta) on D = canary + n_experts vs D'."""
+    """One run of a release whose stage budget (epsilon, delta) covers ``trajectories`` runs, on D = canary +
+    n_experts vs D' = the n_experts; the claim audited is the per-run (2 eps', beta)."""
     from dporl.algos.stable_prefix import StablePrefixConfig, _stable_lengths
     from dporl.privacy.noise import NoiseSource
     from dporl.privacy.sparse_vector import stable_prefix_budget
@@ -87,7 +89,7 @@ def stable_prefix_audit(
     check_positive("threshold_factor", threshold_factor, allow_zero=True)
     check_positive("noise_factor", noise_factor)
     # The claim is about D, the larger set (m + 1 experts); the precondition m p_min >= G0 is checked for D'.
-    budget = stable_prefix_budget(epsilon, delta, 1, p_min, n_experts, monotone=True)
+    budget = stable_prefix_budget(epsilon, delta, trajectories, p_min, n_experts, monotone=True)
     if n_experts * p_min < budget.g0:
         raise ValidationError("n_experts", f"m p_min = {n_experts * p_min:g} < G0 = {budget.g0:g}: the release refuses")
     used = dataclasses.replace(
@@ -115,7 +117,7 @@ def stable_prefix_audit(
         neighbours=f"add/remove a canary expert preferring action 1; the {n_experts} others give it p_min = {p_min}",
         scores=scores,
         chunk_trials=10_000,
-        settings={"epsilon": epsilon, "delta": delta, "n_experts": n_experts, "p_min": p_min, "horizon": horizon,
+        settings={"epsilon": epsilon, "delta": delta, "trajectories": trajectories, "n_experts": n_experts, "p_min": p_min, "horizon": horizon,
                   "threshold": budget.threshold, "noise_scale": budget.noise_scale,
                   "threshold_factor": threshold_factor, "noise_factor": noise_factor},
     )
