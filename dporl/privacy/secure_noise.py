@@ -22,11 +22,11 @@ Guarantees (integer query with sensitivity Delta, in grid units): discrete Lapla
 ``discrete_gaussian_delta`` below (per coordinate; for vectors the L2 analysis is CKS Theorem 14, rho-zCDP with
 rho = Delta^2 / (2 sigma^2) up to a tiny correction, which dporl's accountants do not consume yet).
 
-Cost: exact sampling is a Python loop: about 15 (Laplace) / 30 (Gaussian, sigma = 3) microseconds per
-coordinate with a seeded ``random.Random``, about 4x that from the OS CSPRNG (one system call per integer), i.e.
-~1e4-1e5 times slower than torch's vectorised float draws. Use it for the
-scalar and low-dimensional releases (sparse-vector thresholds and queries, DP-LSW/LSL outputs, counts), not
-for million-parameter DP-SGD steps. For tests, pass a seeded ``random.Random`` as ``rng``.
+Cost: exact sampling is a Python loop over coordinates. Measured (2 shared cores, std 3 on the default 2^-10
+grid): torch's float Gaussian 0.05 us per coordinate; the discrete Gaussian 66 us from a seeded ``random.Random``
+and 220 us from the OS CSPRNG (one system call per integer), the discrete Laplace 22 / 113 us: 1000-4000x slower.
+Use it for scalar and low-dimensional releases (sparse-vector thresholds and queries, DP-LSW/LSL outputs,
+counts), not for million-parameter DP-SGD steps. For tests, pass a seeded ``random.Random`` as ``rng``.
 """
 
 from __future__ import annotations
