@@ -234,3 +234,11 @@ def test_private_gpope_ledger_matches_the_accountant(tmp_path, mode):
     assert ledger.stages["train"].unit == "trajectory"
     assert ledger.spent("train") == pytest.approx(epsilon_for([(event, 40)], 1e-5, "rdp"), rel=1e-12)
     assert torch.isfinite(module.theta).all() and module.theta.abs().sum() > 0
+
+
+def test_feature_and_policy_networks_are_frozen():
+    features = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    features.n_features = 4
+    policy = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Softmax(-1))
+    module = GPOPE(features, target_policy=policy)
+    assert [name for name, p in module.named_parameters() if p.requires_grad] == ["theta", "w"]

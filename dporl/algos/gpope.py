@@ -56,8 +56,11 @@ class GPOPE(nn.Module):
         dtype = getattr(torch, self.config.dtype)
         self.theta = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # primal: value weights
         self.w = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # dual (GTD2's auxiliary weights)
-        if isinstance(features, nn.Module):
-            features.requires_grad_(False)  # a frozen feature network is public and never trained here
+        # A feature network or a target-policy network is public and fixed: freeze it so that only (theta, w)
+        # are trainable (the Trainer privatises every trainable parameter).
+        for fixed in (features, target_policy):
+            if isinstance(fixed, nn.Module):
+                fixed.requires_grad_(False)
         self.features = features
         self.target_policy = target_policy  # None: on-policy (rho = 1)
 
