@@ -69,7 +69,7 @@ def test_structured_solver_matches_dense_solve():
     np.testing.assert_allclose(structured, dense, rtol=1e-8, atol=1e-10 * np.abs(dense).max())
 
 
-@pytest.mark.parametrize("small_batch", [0, 8], ids=["batched", "one-by-one"])
+@pytest.mark.parametrize("small_batch", [0, 2, 8], ids=["batched", "batched-then-one-by-one", "one-by-one"])
 def test_matches_scipy_lsoda_one_interval_at_a_time(monkeypatch, small_batch):
     """Each interval restarts the reference from the simulator's own state, so this measures one interval's error.
 
@@ -92,16 +92,19 @@ def test_matches_scipy_lsoda_one_interval_at_a_time(monkeypatch, small_batch):
 
 
 def test_batched_and_one_by_one_paths_agree(monkeypatch):
-    """Same method, same step-size decisions: the two paths differ only by floating-point rounding."""
-    actions = np.random.default_rng(4).integers(0, 4, size=(5, 3))
+    """Same method, same step-size decisions: the paths differ only by floating-point rounding.
+
+    12 patients: all batched (0), batched with the last <= 8 stragglers finished one by one (8), all one by one."""
+    actions = np.random.default_rng(4).integers(0, 4, size=(5, 12))
     finals = []
-    for small_batch in (0, 8):
+    for small_batch in (0, 8, 12):
         monkeypatch.setattr(hiv, "_SMALL_BATCH", small_batch)
-        sim = HIVVectorSimulator(3)
+        sim = HIVVectorSimulator(12)
         for step_actions in actions:
             sim.step(step_actions)
         finals.append(sim.state)
     np.testing.assert_allclose(finals[0], finals[1], rtol=1e-8)
+    np.testing.assert_allclose(finals[0], finals[2], rtol=1e-8)
 
 
 @pytest.mark.parametrize("published", [UNHEALTHY_EQUILIBRIUM, HEALTHY_EQUILIBRIUM], ids=["unhealthy", "healthy"])

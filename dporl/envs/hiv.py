@@ -8,8 +8,8 @@ Why a hand-written integrator: the ODE is stiff (rates from 0.01/day to ~20/day)
 one patient per call, so logging tens of thousands of patient-steps costs minutes. ``HIVVectorSimulator``
 integrates every patient at once with a 4th-order Rosenbrock method (Kaps-Rentrop / Shampine parameters, embedded
 3rd-order error estimate) using the analytic Jacobian (the 6x6 solves by block elimination, vectorised over
-patients), and a step size per patient. Batches of at most 8 patients go one by one in scalar arithmetic, which
-beats numpy's per-call overhead there, so even the single-patient Gymnasium env is faster than solve_ivp.
+patients), and a step size per patient. Up to 8 patients (small batches, and the last stragglers of a big batch)
+go one by one in scalar arithmetic, where numpy's per-call overhead would dominate.
 It integrates the logarithm of the state: positivity holds by construction and the absolute tolerance on
 log-state is a relative tolerance on every cell count (they span 1 to 1e6). ``integrate_scipy`` is the
 one-patient reference the tests and the benchmark compare against.
@@ -277,9 +277,10 @@ class HIVVectorSimulator:
         self.last_stats = dict(zip(("accepted", "rejected", "iterations"), (int(v) for v in stats)))
         return x
 
-    def _integrate_one(self, x: np.ndarray, drugs: np.ndarray, h: float) -> tuple[np.ndarray, float, tuple]:
-        """One patient: plain Python control flow on 6-vectors (numpy calls on [6, 1] rows cost more than math)."""
-        duration, t, accepted, rejected = self.treatment_interval, 0.0, 0, 0
+    def _integrate_one(self, x: np.ndarray, drugs: np.ndarray, h: float, t: float = 0.0) -> tuple[np.ndarray, float, tuple]:
+        """One patient from time ``t`` of the interval: plain Python control flow on 6-vectors (numpy calls on
+        [6, 1] rows would cost more than the arithmetic)."""
+        duration, accepted, rejected = self.treatment_interval, 0, 0
         drugs = drugs.tolist()
         while t < duration * (1.0 - 1e-12):
             if accepted + rejected >= self.max_iterations:
@@ -305,6 +306,13 @@ class HIVVectorSimulator:
         xs, h, t = out.copy(), h_out.copy(), np.zeros(out.shape[1])
         accepted = rejected = iterations = 0
         while working.size:
+            if working.size <= _SMALL_BATCH:  # the last few (slowest) patients: cheaper one by one
+                for j, position in enumerate(working):
+                    out[:, position], h_out[position], counts = self._integrate_one(
+                        xs[:, j], drugs[:, j], float(h[j]), float(t[j]))
+                    accepted, rejected = accepted + counts[0], rejected + counts[1]
+                    iterations += counts[2]
+                break
             iterations += 1
             if iterations > self.max_iterations:
                 raise RuntimeError("HIV integrator: too many steps (state left the model's range?)")
