@@ -14,25 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-import torch
-
+from dporl.audit.dpsgd_audits import step_event_factory
 from dporl.audit.experiment import Experiment
 from dporl.audit.registry import build_audit
 from dporl.privacy.calibration import calibrate_noise_multiplier
-from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
 from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
 
 SUPPORTED = ("expert_cql", "ope")
-
-
-def _step_event_factory(sample_rate: float, private_probability: Optional[float]):
-    """make_event(sigma) of the batch source the pipeline would build (the source states its own event)."""
-    dummy = {"x": torch.zeros(1, 1)}
-    private = PoissonUnitSource(dummy, torch.zeros(1, dtype=torch.long), 1, sample_rate)
-    if private_probability is None:
-        return private.step_event
-    return MixtureSource(private_probability, private, UniformBatchSource(dummy, 1)).step_event
 
 
 def _experts_and_p_min(config, n_experts: Optional[int], p_min: Optional[float]) -> tuple[int, Optional[float]]:
@@ -68,7 +57,7 @@ def expert_cql_audits(
                 raise ValidationError("trainer.max_steps", "needed to calibrate dp.noise_multiplier")
             sigma = calibrate_noise_multiplier(
                 eps2, delta2, config.trainer.max_steps,
-                make_event=_step_event_factory(q, config.dp.p_dp if mixed else None), mechanism=config.dp.accountant,
+                make_event=step_event_factory(q, config.dp.p_dp if mixed else None), mechanism=config.dp.accountant,
             )
         common = {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": config.dp.max_grad_norm,
                   "delta": delta2, "accountant": config.dp.accountant}
@@ -97,7 +86,7 @@ def ope_audits(data: Mapping[str, Any]) -> list[Experiment]:
     q = settings.expected_batch_size / m
     steps = max(1, round(settings.epochs * m / settings.expected_batch_size))
     sigma = calibrate_noise_multiplier(
-        config.epsilon, config.delta, steps, make_event=_step_event_factory(q, None), mechanism=settings.accountant
+        config.epsilon, config.delta, steps, make_event=step_event_factory(q, None), mechanism=settings.accountant
     )
     audits = [build_audit("gpope", {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": settings.clip_norm,
                                     "delta": config.delta, "accountant": settings.accountant})]

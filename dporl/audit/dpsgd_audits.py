@@ -36,6 +36,16 @@ from dporl.utils.validation import ValidationError, check_positive, check_probab
 CANARY_NORM = 100.0  # in units of the clip norm: far beyond it, so the canary is clipped to exactly C
 
 
+def step_event_factory(sample_rate: float, private_probability: float | None = None):
+    """make_event(sigma) of the batch source a pipeline builds (Poisson, or the mixture of Algorithm 3): the event
+    comes from the source itself, never from a description written here. The population does not enter it."""
+    dummy = {"x": torch.zeros(1, 1)}
+    private = PoissonUnitSource(dummy, torch.zeros(1, dtype=torch.long), 1, sample_rate)
+    if private_probability is None:
+        return private.step_event
+    return MixtureSource(private_probability, private, UniformBatchSource(dummy, 1)).step_event
+
+
 class IndependentSteps(nn.Module):
     """``trials`` independent linear models y = w_j . x as one module; a row's loss is -w_{trial(row)} . x_row."""
 
@@ -106,8 +116,7 @@ def dpsgd_step_audit(
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
     others = _other_units(n_units - 1, dim, max_grad_norm)
     expected = q * n_units
-    # The event the sampler states for itself (never a description written here).
-    event = PoissonUnitSource({"x": others[:1] if len(others) else torch.zeros(1, dim)}, torch.zeros(1, dtype=torch.long), 1, q).step_event(sigma)
+    event = step_event_factory(q)(sigma)
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
         units = _dataset(others, on_d, max_grad_norm)
@@ -154,9 +163,7 @@ def mixture_audit(
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
     others = _other_units(n_units - 1, dim, max_grad_norm)
     expected = q * n_units
-    dummy = {"x": torch.zeros(1, dim)}
-    source = MixtureSource(p, PoissonUnitSource(dummy, torch.zeros(1, dtype=torch.long), 1, q), UniformBatchSource(dummy, 1))
-    event = source.step_event(sigma)
+    event = step_event_factory(q, p)(sigma)
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
         # MixtureSource's branch rule, one independent draw per trial: private iff U < p.
@@ -265,7 +272,7 @@ def gpope_audit(
     if float((directions[True][1:] @ canary_dir).abs().max()) > 1e-4:
         raise AssertionError("the GPOPE canary is not orthogonal to the other trajectories")  # construction bug
     expected = q * n_trajectories
-    event = PoissonUnitSource({"x": torch.zeros(1, 1)}, torch.zeros(1, dtype=torch.long), 1, q).step_event(sigma)
+    event = step_event_factory(q)(sigma)
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
         units = directions[on_d]
