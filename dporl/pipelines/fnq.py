@@ -13,7 +13,9 @@ Two kinds of experiment, both over ``seeds``:
 Data: online (Algorithm 1 on ``env_id``: ``samples`` environment steps, ``env_steps_per_update`` new transitions
 per update) or offline (``dataset``: ``samples / batch_size`` updates on logged transitions). Every run goes
 through the shared Trainer; each evaluation plays ``eval_episodes`` episodes greedily on the released function
-Q + g in the public environment (post-processing). Outputs under ``run_dir``: per-run trainer directories with
+Q + g, and on Q_theta alone (what Algorithm 1 returns), in the environment. Under reward-level privacy these
+returns are computed from the protected reward function itself: they are the experimenter's utility measurement,
+NOT covered by the guarantee and not to be published as part of a release. Outputs under ``run_dir``: per-run trainer directories with
 ``released.pt`` (the noisy Q-function), ``results.json``, ``table.md`` and PNG learning curves.
 
 Theorem 5 is proven for S = [0, 1]; for multi-dimensional states (CartPole) the pipeline runs the L1-kernel
@@ -50,7 +52,8 @@ from dporl.utils.io import atomic_write_json, atomic_write_text
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 METHODS = ("fnq", "input_perturbation", "dpsgd", "nonprivate")
-RETURN_KEY = "return/return_mean"
+RETURN_KEY = "return/return_mean"  # greedy on the released Q + g
+RETURN_Q_KEY = "return_q/return_mean"  # greedy on Q_theta alone (what Algorithm 1 returns)
 
 
 @dataclass
@@ -208,7 +211,10 @@ def _evaluator(config: FNQPipelineConfig, seed: int):
     def evaluate(module: FunctionalNoiseQLearning) -> dict[str, float]:
         return evaluate_returns(module.act, env, config.eval_episodes, seed).to_dict()
 
-    return evaluate, env
+    def evaluate_network(module: FunctionalNoiseQLearning) -> dict[str, float]:
+        return evaluate_returns(lambda obs: module.q_network(obs).argmax(-1), env, config.eval_episodes, seed).to_dict()
+
+    return {"return": evaluate, "return_q": evaluate_network}, env
 
 
 def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_dim: int, n_actions: int) -> dict:
@@ -256,7 +262,7 @@ def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_di
         source = dataset_source(_dataset(config), config.batch_size, reward_transform)
     if spec.method == "dpsgd":
         source = WholeBatchUnitSource(source)
-    evaluate, eval_env = _evaluator(config, 10_000 + seed)
+    evaluators, eval_env = _evaluator(config, 10_000 + seed)
     updates = config.updates
     trainer_config = TrainerConfig(
         max_steps=updates, seed=seed, log_every=max(1, updates // 20), eval_every=max(1, updates // config.evaluations),
@@ -265,20 +271,22 @@ def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_di
     run_config = {**to_dict(config), "run": {"label": spec.label, "method": spec.method, "seed": seed}}
     trainer = Trainer(
         algorithm, source, config=trainer_config, dp=dp, ledger=ledger, run_dir=run_dir, pipeline="fnq",
-        pipeline_config=run_config, stage="train", evaluators={"return": evaluate},
+        pipeline_config=run_config, stage="train", evaluators=evaluators,
     )
     result = trainer.fit()
     eval_env.close()
     released = algorithm.release(None if config.noise_seed is None else NoiseSource(seed + 7))
     save_noisy_q(run_dir / "released.pt", released, {"label": spec.label, "privacy": result.privacy})
     curve = [(step * config.steps_per_update, metrics[RETURN_KEY]) for step, metrics in result.eval_history]
+    curve_q = [(step * config.steps_per_update, metrics[RETURN_Q_KEY]) for step, metrics in result.eval_history]
     if privacy is None and dp is not None:
         privacy = {"noise_multiplier": result.noise_multiplier, "unit": "reward",
                    "analysis": f"DP-SGD, whole batch one unit, {config.accountant}"}
     return {
         "label": spec.label, "method": spec.method, "seed": seed, "sigma": sigma, "beta": beta,
-        "reset_every": every, "windows": windows, "epsilon": spec.epsilon, "curve": curve,
-        "final_return": curve[-1][1] if curve else math.nan, "privacy": privacy, "ledger": result.privacy,
+        "reset_every": every, "windows": windows, "epsilon": spec.epsilon, "curve": curve, "curve_q": curve_q,
+        "final_return": curve[-1][1] if curve else math.nan,
+        "final_return_q": curve_q[-1][1] if curve_q else math.nan, "privacy": privacy, "ledger": result.privacy,
         "steps": result.steps,
     }
 
@@ -299,6 +307,7 @@ def _summarise(runs: list[dict]) -> list[dict]:
     for label in dict.fromkeys(r["label"] for r in runs):
         group = [r for r in runs if r["label"] == label]
         finals = np.array([r["final_return"] for r in group])
+        finals_q = np.array([r["final_return_q"] for r in group])
         xs = [x for x, _ in group[0]["curve"]]
         ys = np.array([[y for _, y in r["curve"]] for r in group])
         first = group[0]
@@ -311,21 +320,26 @@ def _summarise(runs: list[dict]) -> list[dict]:
             "label": label, "method": first["method"], "sigma": first["sigma"], "reset_every": first["reset_every"],
             "windows": first["windows"], "guarantee": guarantee, "seeds": len(group),
             "final_mean": float(finals.mean()), "final_std": float(finals.std(ddof=1)) if len(group) > 1 else 0.0,
+            "final_q_mean": float(finals_q.mean()),
+            "final_q_std": float(finals_q.std(ddof=1)) if len(group) > 1 else 0.0,
             "curve_x": xs, "curve_mean": ys.mean(0).tolist(), "curve_std": ys.std(0).tolist(),
+            "curve_q_mean": np.array([[y for _, y in r["curve_q"]] for r in group]).mean(0).tolist(),
         })
     return rows
 
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| run | method | sigma | resets every (windows) | guarantee (unit reward) | final return (mean +- std over seeds) |",
-        "|---|---|---|---|---|---|",
+        "| run | method | sigma | resets every (windows) | guarantee (unit reward) | final return, greedy on Q + g "
+        "(mean +- std over seeds) | final return, greedy on Q_theta |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         guarantee = row["guarantee"] or "none (not calibrated)"
         lines.append(
             f"| {row['label']} | {row['method']} | {row['sigma']:.4g} | {row['reset_every']} ({row['windows']}) | "
-            f"{guarantee} | {row['final_mean']:.2f} +- {row['final_std']:.2f} (n={row['seeds']}) |"
+            f"{guarantee} | {row['final_mean']:.2f} +- {row['final_std']:.2f} (n={row['seeds']}) | "
+            f"{row['final_q_mean']:.2f} +- {row['final_q_std']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -341,6 +355,7 @@ def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
     reference = groups.pop("reference", [])
     for key, group in groups.items():
         series = {r["label"]: (r["curve_x"], r["curve_mean"], r["curve_std"]) for r in reference + group}
+        series.update({f"{r['label']} (Q_theta)": (r["curve_x"], r["curve_q_mean"], None) for r in reference + group})
         title = f"{config.env_id}: " + (f"eps = {key}, delta = {config.delta:g}" if config.epsilons else key)
         path = Path(config.run_dir) / f"curves_{'eps' if config.epsilons else ''}{key}.png"
         plot_lines(path, series, xlabel="samples", ylabel="return (mean +- 1 std over seeds)", title=title)
