@@ -56,3 +56,16 @@ def test_config_audit_of_an_expert_cql_run(tmp_path, capsys):
     assert code == 0, capsys.readouterr()
     names = [r["mechanism"] for r in json.loads(out.read_text())["results"]]
     assert names == ["mixture", "stable_prefix"]
+
+
+def test_config_audit_of_an_ope_run(tmp_path):
+    config = tmp_path / "ope.yaml"
+    config.write_text("pipeline: ope\nm_values: [100, 1000]\nepsilon: 1.0\ngpope: {expected_batch_size: 10}\n")
+    out = tmp_path / "audit.json"
+    assert main(["--config", str(config), "--trials", "2000", "--no-progress", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["mechanism"] for r in results] == ["gpope", "dp_lsw", "dp_lsl"]
+    # GPOPE's claim is the calibrated per-step one: q = 10 / 100 and the sigma that fits 10 steps in eps = 1.
+    assert results[0]["settings"]["sample_rate"] == 0.1
+    assert 0 < results[0]["claimed_epsilon"] < 1.0
+    assert all(r["privacy_unit"] == "trajectory" for r in results)
