@@ -19,7 +19,7 @@ def tiny_config(tmp_path, **overrides):
     data = {
         "run_dir": str(tmp_path / "run"), "trials": 1, "m_values": [20], "noise_seed": 5, "progress": False,
         "chain": {"n_states": 6},
-        "gpope": {"step_size_grid": [0.05], "step_size_multipliers": [1.0]},
+        "gpope": {"step_size_grid": [0.05], "clip_norm_grid": [0.01], "step_size_multipliers": [1.0]},
         "output_perturbation": {"lsl_lambda_grid": [10.0]},
     }
     for key, value in overrides.items():

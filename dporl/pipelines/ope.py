@@ -80,7 +80,10 @@ class GPOPESettings:
     epochs: float = 1.0  # iterations N = epochs * m / expected_batch_size (when noise_multiplier is None)
     # None: sigma calibrated so that N iterations fit (epsilon, delta). Given: N = the most iterations that fit.
     noise_multiplier: Optional[float] = None
-    clip_norm: float = 1.0  # the paper's h
+    # The paper's h. Noise is sigma * h, so h should sit near typical gradient norms (chain: ~0.01, far below 1):
+    # None tunes it on public data over clip_norm_grid, jointly with the step size.
+    clip_norm: Optional[float] = None
+    clip_norm_grid: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01])
     step_size: Optional[float] = None  # None: tuned on public data over step_size_grid, separately for every m
     step_size_grid: list[float] = field(default_factory=lambda: [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0])
     step_size_multipliers: list[float] = field(default_factory=lambda: [1.0, 0.1, 10.0])
@@ -91,14 +94,15 @@ class GPOPESettings:
     def __post_init__(self) -> None:
         check_positive("gpope.expected_batch_size", self.expected_batch_size)
         check_positive("gpope.epochs", self.epochs)
-        check_positive("gpope.clip_norm", self.clip_norm)
+        if self.clip_norm is not None:
+            check_positive("gpope.clip_norm", self.clip_norm)
         if self.step_size is not None:
             check_positive("gpope.step_size", self.step_size)
         if self.noise_multiplier is not None:
             check_positive("gpope.noise_multiplier", self.noise_multiplier)
         if not self.step_size_grid or not self.step_size_multipliers:
             raise ValidationError("gpope.step_size_grid", "needs at least one step size and one multiplier")
-        for i, value in enumerate(self.step_size_grid + self.step_size_multipliers):
+        for i, value in enumerate(self.step_size_grid + self.step_size_multipliers + self.clip_norm_grid):
             check_positive(f"gpope.step_sizes[{i}]", value)
         if self.mode == "paper" and self.accountant != "rdp":
             raise ValidationError("gpope.accountant", "paper mode (sampling without replacement) is analysed by 'rdp'")
@@ -412,8 +416,8 @@ def _noise_seed(config: OPEConfig, *keys: int) -> Optional[int]:
 
 
 def run_gpope(
-    config: OPEConfig, problem: FiniteProblem, data: dict, step_size: float, run_dir: Path, noise_seed: Optional[int],
-    run_info: dict,
+    config: OPEConfig, problem: FiniteProblem, data: dict, step_size: float, clip_norm: float, run_dir: Path,
+    noise_seed: Optional[int], run_info: dict,
 ) -> dict[str, Any]:
     """One private GPOPE release through the Trainer; returns its metrics and privacy figures."""
     settings = config.gpope
@@ -444,13 +448,13 @@ def run_gpope(
         ),
         dp=DPConfig(
             epsilon=config.epsilon, delta=config.delta, noise_multiplier=settings.noise_multiplier,
-            max_grad_norm=settings.clip_norm, accountant=settings.accountant,
+            max_grad_norm=clip_norm, accountant=settings.accountant,
             clipping="naive", noise_seed=noise_seed,
         ),
         ledger=ledger,
         run_dir=run_dir,
         pipeline="ope",
-        pipeline_config={"ope": to_dict(config), **run_info, "step_size": step_size},
+        pipeline_config={"ope": to_dict(config), **run_info, "step_size": step_size, "clip_norm": clip_norm},
         evaluators={"ope": lambda mod: problem.metrics(mod.theta.detach())},
     )
     result = trainer.fit()
@@ -510,24 +514,25 @@ def run(config: OPEConfig) -> dict[str, Any]:
     op_methods = config.output_perturbation.methods if problem.finite else []
     rows: list[dict[str, Any]] = []
     tuned: dict[int, dict[str, float]] = {}
-    n_jobs = len(config.m_values) * (
-        (len(gp.step_size_grid) if gp.step_size is None else 0) + config.trials * len(gp.step_size_multipliers)
-    )
+    step_grid = gp.step_size_grid if gp.step_size is None else [gp.step_size]
+    clip_grid = gp.clip_norm_grid if gp.clip_norm is None else [gp.clip_norm]
+    grid = [(lr, h) for lr in step_grid for h in clip_grid] if len(step_grid) * len(clip_grid) > 1 else []
+    n_jobs = len(config.m_values) * (len(grid) + config.trials * len(gp.step_size_multipliers))
     progress = tqdm(total=n_jobs, desc="ope chain", unit="run", disable=not config.progress, dynamic_ncols=True)
     for m in config.m_values:
         # Hyper-parameters come from an independent public dataset of the same size (never the private one).
         public = problem.sample(m, _generator(config.seed, m, -1))
-        step_size = gp.step_size
-        if step_size is None:
+        step_size, clip_norm = step_grid[0], clip_grid[0]
+        if grid:
             scores = {}
-            for k, lr in enumerate(gp.step_size_grid):
-                result = run_gpope(config, problem, public, lr, run_dir / f"m{m}" / "tuning" / f"lr{k}",
+            for k, (lr, h) in enumerate(grid):
+                result = run_gpope(config, problem, public, lr, h, run_dir / f"m{m}" / "tuning" / f"run{k}",
                                    _noise_seed(config, m, -1, k), {"m": m, "trial": -1})
-                scores[lr] = result["mspbe"]
+                scores[(lr, h)] = result["mspbe"]
                 progress.update(1)
-            step_size = min(scores, key=scores.get)
+            step_size, clip_norm = min(scores, key=scores.get)
         lambda_scale = _lsl_lambda_scale(config, problem, public, m) if "dp_lsl" in op_methods else 0.0
-        tuned[m] = {"step_size": step_size, "lsl_lambda_scale": lambda_scale}
+        tuned[m] = {"step_size": step_size, "clip_norm": clip_norm, "lsl_lambda_scale": lambda_scale}
         for trial in range(config.trials):
             data = problem.sample(m, _generator(config.seed, m, trial))
             reference = problem.metrics(lstd(problem.features, data, config.gamma, target_policy=problem.target_policy))
@@ -537,7 +542,8 @@ def run(config: OPEConfig) -> dict[str, Any]:
             rows.append({"method": "theta = 0 (no data)", "m": m, "trial": trial, **zero, "epsilon": 0.0})
             for k, multiplier in enumerate(gp.step_size_multipliers):
                 result = run_gpope(
-                    config, problem, data, step_size * multiplier, run_dir / f"m{m}" / f"trial{trial}" / f"gpope_x{multiplier:g}",
+                    config, problem, data, step_size * multiplier, clip_norm,
+                    run_dir / f"m{m}" / f"trial{trial}" / f"gpope_x{multiplier:g}",
                     _noise_seed(config, m, trial, k), {"m": m, "trial": trial, "multiplier": multiplier},
                 )
                 rows.append({"method": f"gpope ({multiplier:g}x step)", "m": m, "trial": trial, **result})
@@ -595,7 +601,8 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
         lines.append(f"| {e['method']} | {e['m']} | {e['trials']} | {e['mspbe_mean']:.3e} +- {e['mspbe_std']:.1e} | "
                      f"{e['rmse_mean']:.3e} +- {e['rmse_std']:.1e} | {eps} |")
     lines += ["", "Tuned on public data: " + ", ".join(
-        f"m={m}: step size {v['step_size']:g}, DP-LSL lambda scale {v['lsl_lambda_scale']:g}" for m, v in tuned.items())]
+        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:g}, DP-LSL lambda scale {v['lsl_lambda_scale']:g}"
+        for m, v in tuned.items())]
     atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
     for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
         series = {}
