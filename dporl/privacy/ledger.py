@@ -1,0 +1,299 @@
+"""The privacy ledger of one run: named stages, each with its own accountant, budget and privacy unit.
+
+A run may release in several stages (e.g. "release": T stable-prefix sparse-vector runs, (2 eps', beta)-DP each;
+"train": mixture DP-SGD steps). Each stage is accounted on its own and refuses any event that would take it past
+its budget (``PrivacyBudgetError``; the event is not recorded). ``report()`` states
+
+- per stage: epsilon at the stage's delta, its analysis and privacy unit;
+- basic composition: (sum of stage epsilons, sum of stage deltas), valid for any analyses;
+- joint: one PLD over every event of every stage at the total delta (tighter; only when every event has a PLD
+  and all stages share one neighbouring relation);
+
+and the run's guarantee is the smaller epsilon of the sound totals at the total delta. Stages that protect
+different privacy units are never combined into one number.
+
+Checking the budget on every step would cost a full analysis per step, so a stage grants itself "headroom": it
+verifies once that ``k`` more copies of the event fit (k doubling as steps arrive) and spends that headroom
+without recomputation. Every recorded event has therefore been verified to fit before it was recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from dporl.privacy.accountants import (
+    Accountant,
+    Mechanism,
+    adjacency,
+    analysis_name,
+    check_mechanism,
+    epsilon_for,
+    event_pld,
+    spends_nothing,
+)
+from dporl.privacy.events import PrivacyEvent, event_to_dict
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+
+PRIVACY_UNITS = ("expert", "trajectory", "transition", "reward")
+
+
+@dataclass
+class Stage:
+    name: str
+    budget: Optional[tuple[float, float]]  # (epsilon, delta) or None (no cap; report at `delta`)
+    mechanism: str
+    unit: str
+    accountant: Accountant
+    delta: float  # the delta epsilon is reported at (the budget's delta when there is one)
+    # (event, how many more of it are already verified to fit); not saved: recomputed after a restore.
+    headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
+    grant: int = 1  # next headroom request size (doubles while requests succeed)
+
+    def describe(self) -> dict[str, Any]:
+        return {"budget": self.budget, "mechanism": self.mechanism, "unit": self.unit, "delta": self.delta}
+
+
+@dataclass
+class StageReport:
+    name: str
+    unit: str
+    analysis: str
+    epsilon: float
+    delta: float
+    budget: Optional[tuple[float, float]]
+    events: list[tuple[dict[str, Any], int]]
+
+
+@dataclass
+class PrivacyReport:
+    stages: list[StageReport]
+    basic: Optional[tuple[float, float]]  # (sum eps, sum delta) over stages; None if units differ or no stage
+    joint: Optional[tuple[float, float]]  # joint PLD (eps, total delta); None if not analysable
+    joint_note: str
+    unit: Optional[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def guarantee(self) -> Optional[tuple[float, float, str]]:
+        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta."""
+        options = []
+        if self.basic is not None:
+            single = len(self.stages) == 1
+            options.append((*self.basic, self.stages[0].analysis if single else "basic composition of the stages"))
+        if self.joint is not None:
+            options.append((*self.joint, "joint PLD over all stages' events"))
+        return min(options, key=lambda option: option[0]) if options else None
+
+    def describe(self) -> str:
+        lines = []
+        for s in self.stages:
+            budget = f" (budget eps={s.budget[0]:g}, delta={s.budget[1]:g})" if s.budget else ""
+            lines.append(
+                f"stage {s.name!r}: eps={s.epsilon:.4g} at delta={s.delta:g}{budget}; unit: {s.unit}; "
+                f"analysis: {s.analysis}"
+            )
+        if len(self.stages) > 1:
+            if self.basic is not None:
+                lines.append(f"basic composition: eps={self.basic[0]:.4g}, delta={self.basic[1]:g}")
+            lines.append(
+                f"joint PLD: eps={self.joint[0]:.4g}, delta={self.joint[1]:g}" if self.joint else
+                f"joint PLD: not computed ({self.joint_note})"
+            )
+        guarantee = self.guarantee
+        if guarantee is None:
+            lines.append("no combined guarantee: " + "; ".join(self.notes or ["no stage recorded"]))
+        else:
+            lines.append(
+                f"GUARANTEE: ({guarantee[0]:.4g}, {guarantee[1]:g})-DP, privacy unit: {self.unit} "
+                f"(neighbouring datasets differ in one {self.unit}); analysis: {guarantee[2]}"
+            )
+        lines.extend(f"note: {note}" for note in self.notes if guarantee is not None)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        guarantee = self.guarantee
+        return {
+            "stages": [
+                {
+                    "name": s.name,
+                    "unit": s.unit,
+                    "analysis": s.analysis,
+                    "epsilon": s.epsilon,
+                    "delta": s.delta,
+                    "budget": list(s.budget) if s.budget else None,
+                    "events": [[event, count] for event, count in s.events],
+                }
+                for s in self.stages
+            ],
+            "basic_composition": list(self.basic) if self.basic else None,
+            "joint_pld": list(self.joint) if self.joint else None,
+            "joint_note": self.joint_note,
+            "guarantee": (
+                None if guarantee is None else
+                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit}
+            ),
+            "notes": list(self.notes),
+            "text": self.describe(),
+        }
+
+
+class PrivacyLedger:
+    """Named stages composed sequentially into one run's guarantee (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, Stage] = {}
+
+    def stage(
+        self,
+        name: str,
+        *,
+        budget: Optional[tuple[float, float]] = None,
+        mechanism: Mechanism = "rdp",
+        unit: str = "expert",
+        delta: Optional[float] = None,
+    ) -> Stage:
+        """Open a stage. ``delta`` (only without a budget) is the delta its epsilon is reported at."""
+        if name in self.stages:
+            raise ValidationError("ledger.stage", f"stage {name!r} already exists")
+        check_mechanism(mechanism, f"ledger.{name}.mechanism")
+        if unit not in PRIVACY_UNITS:
+            raise ValidationError(f"ledger.{name}.unit", f"must be one of {list(PRIVACY_UNITS)}, got {unit!r}")
+        if budget is not None:
+            if len(budget) != 2:
+                raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
+            eps = check_positive(f"ledger.{name}.budget.epsilon", budget[0])
+            bdelta = check_probability(f"ledger.{name}.budget.delta", budget[1], allow_zero=False, allow_one=False)
+            if delta is not None and delta != bdelta:
+                raise ValidationError(f"ledger.{name}.delta", "a budgeted stage reports at its budget's delta")
+            budget, delta = (eps, bdelta), bdelta
+        elif delta is None:
+            raise ValidationError(f"ledger.{name}.delta", "a stage without a budget needs the delta to report at")
+        else:
+            delta = check_probability(f"ledger.{name}.delta", delta, allow_zero=False, allow_one=False)
+        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta))
+        self.stages[name] = stage
+        return stage
+
+    def _get(self, name: str) -> Stage:
+        if name not in self.stages:
+            raise ValidationError("ledger.stage", f"no stage {name!r} (stages: {list(self.stages)})")
+        return self.stages[name]
+
+    def record(self, stage: str, event: PrivacyEvent, count: int = 1) -> None:
+        """Record ``count`` runs of ``event`` in ``stage``; raises PrivacyBudgetError (recording nothing) if over."""
+        s = self._get(stage)
+        if not isinstance(count, int) or count < 0:
+            raise ValidationError("count", f"must be an integer >= 0, got {count!r}")
+        if count == 0:
+            return
+        if s.budget is not None and not spends_nothing(event):
+            self._reserve(s, event, count)
+        s.accountant.record(event, count)
+
+    def _fits(self, s: Stage, event: PrivacyEvent, count: int) -> bool:
+        return s.accountant.epsilon_with([(event, count)], s.delta) <= s.budget[0]
+
+    def _reserve(self, s: Stage, event: PrivacyEvent, count: int) -> None:
+        held_event, held = s.headroom
+        if held_event != event:
+            held, s.grant = 0, count
+        if held >= count:
+            s.headroom = (event, held - count)
+            return
+        # Ask for `grant` more than needed; fall back to exactly `count` near the end of the budget.
+        wanted = count + max(s.grant, count)
+        if self._fits(s, event, wanted):
+            s.headroom, s.grant = (event, wanted - count), 2 * max(s.grant, count)
+            return
+        s.grant = count
+        if not self._fits(s, event, count):
+            spent = s.accountant.get_epsilon(s.delta)
+            raise PrivacyBudgetError(
+                f"ledger.{s.name}",
+                f"recording {count} x {event} would exceed the budget eps={s.budget[0]:g} at delta={s.delta:g} "
+                f"(spent so far: eps={spent:.4g}, {s.mechanism} analysis); nothing was recorded",
+            )
+        s.headroom = (event, 0)
+
+    def spent(self, stage: str) -> float:
+        """Epsilon spent by ``stage`` at its delta."""
+        s = self._get(stage)
+        return s.accountant.get_epsilon(s.delta)
+
+    def remaining(self, stage: str) -> float:
+        s = self._get(stage)
+        if s.budget is None:
+            raise ValidationError("ledger.stage", f"stage {stage!r} has no budget")
+        return max(0.0, s.budget[0] - self.spent(stage))
+
+    def report(self) -> PrivacyReport:
+        stages = [
+            StageReport(
+                s.name,
+                s.unit,
+                analysis_name(s.mechanism),
+                self.spent(s.name),
+                s.delta,
+                s.budget,
+                [(event_to_dict(e), c) for e, c in s.accountant.history],
+            )
+            for s in self.stages.values()
+        ]
+        notes: list[str] = []
+        units = sorted({s.unit for s in self.stages.values()})
+        unit = units[0] if len(units) == 1 else None
+        basic = None
+        if not stages:
+            notes.append("no stage recorded")
+        elif unit is None:
+            notes.append(f"stages protect different privacy units {units}: no single guarantee combines them")
+        else:
+            basic = (sum(s.epsilon for s in stages), sum(s.delta for s in stages))
+        joint, joint_note = None, ""
+        if basic is not None and len(stages) > 1:
+            joint, joint_note = self._joint(basic[1])
+        return PrivacyReport(stages, basic, joint, joint_note, unit, notes)
+
+    def _joint(self, total_delta: float) -> tuple[Optional[tuple[float, float]], str]:
+        events = [(e, c) for s in self.stages.values() for e, c in s.accountant.history]
+        relations = {adjacency(e) for e, c in events if c and not spends_nothing(e)}
+        if len(relations) > 1:
+            return None, f"stages use different neighbouring relations {sorted(relations)}"
+        try:
+            for event, _ in events:
+                if not spends_nothing(event):
+                    event_pld(event)
+        except ValidationError as exc:
+            return None, str(exc)
+        if total_delta >= 1:
+            return None, "total delta >= 1"
+        return (epsilon_for(events, total_delta, "pld"), total_delta), "PLD over all events"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stages": [
+                {
+                    "name": s.name,
+                    "budget": list(s.budget) if s.budget else None,
+                    "mechanism": s.mechanism,
+                    "unit": s.unit,
+                    "delta": s.delta,
+                    "accountant": s.accountant.state_dict(),
+                }
+                for s in self.stages.values()
+            ]
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        stages: dict[str, Stage] = {}
+        restored = PrivacyLedger()
+        for entry in state["stages"]:
+            budget = tuple(entry["budget"]) if entry["budget"] is not None else None
+            s = restored.stage(
+                entry["name"], budget=budget, mechanism=entry["mechanism"], unit=entry["unit"],
+                delta=None if budget else entry["delta"],
+            )
+            s.accountant.load_state_dict(entry["accountant"])
+            stages[s.name] = s
+        self.stages = stages
