@@ -6,7 +6,8 @@ import torch
 
 from dporl.experts import ExpertSet, StackedLinearPolicy
 from dporl.experts.analytic import cartpole_lqr_experts
-from dporl.experts.collect import collect, evaluate_policies
+from dporl.envs.variants import physics_of
+from dporl.experts.collect import collect, evaluate_policies, make_vector_env
 from dporl.utils.validation import ValidationError
 
 
@@ -93,3 +94,18 @@ def test_evaluate_policies_scores_each_expert_greedily():
     assert returns[2] < 20  # always pushing one way drops the pole within ~10 steps
     with pytest.raises(ValidationError, match="settings"):
         evaluate_policies(policy, "CartPole-v1", [{}], episodes=1, max_episode_steps=5, seed=0)
+
+
+def test_per_expert_physics_settings_reach_their_sub_envs():
+    # LunarLander settings mix a shared boolean (enable_wind) with per-expert numbers; the sub-envs must get them.
+    settings = [{"enable_wind": True, "gravity": -9.0, "wind_power": 0.0, "turbulence_power": 0.0},
+                {"enable_wind": True, "gravity": -11.0, "wind_power": 5.0, "turbulence_power": 0.5}]
+    vector_env = make_vector_env("LunarLander-v3", 2, 10, settings)
+    try:
+        physics = physics_of(vector_env, "LunarLander-v3")
+    finally:
+        vector_env.close()
+    assert physics["gravity"] == [-9.0, -11.0] and physics["wind_power"] == [0.0, 5.0]
+    assert physics["enable_wind"] == [True, True]
+    with pytest.raises(ValidationError, match="same physics parameters"):
+        make_vector_env("LunarLander-v3", 2, 10, [settings[0], {"gravity": -10.0}])
