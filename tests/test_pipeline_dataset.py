@@ -95,3 +95,11 @@ def test_train_cli_runs_the_quick_config_with_overrides(tmp_path):
     assert "dataset: 2 episodes" in result.stdout
     assert json.loads(result.stdout[result.stdout.index("{"):])["n_experts"] == 2
     assert TrajectoryDataset.load(tmp_path / "dataset.npz").n_episodes == 2
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("dataset_*.yaml")), ids=lambda p: p.stem)
+def test_every_dataset_config_parses(path):
+    from dporl.utils.config import load_config
+
+    config = load_config(get_pipeline("dataset").config_cls, path)
+    assert config.experts.keep_best <= config.experts.candidates_per_setting

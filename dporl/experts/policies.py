@@ -9,6 +9,9 @@ over experts):
 Both take ``experts=`` (a slice, which indexes parameters without copying, or an index tensor) to evaluate a chunk
 of experts. ``select(indices)`` returns a new module of the same family holding the chosen sub-stack.
 
+Both must return a FRESH logits tensor (never a view of a parameter or a cached buffer): ``ExpertSet`` turns it
+into log-probabilities in place to avoid another [m, B, n_actions] temporary.
+
 A family is rebuilt from ``(family, config(), state_dict())``; families register themselves in ``FAMILIES``
 under their ``family`` name so saved expert sets can be loaded without pickling code.
 """
