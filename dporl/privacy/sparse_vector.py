@@ -1,0 +1,135 @@
+"""Budget of the stable-prefix release (expert-level paper, Algorithms 1-2), exactly as the spec derives it.
+
+Per processed trajectory, with per-query budget eps' (spec "Threshold (derived)"):
+
+- G0 = 1 / (1 - exp(-eps')): above it, the chance that a uniformly chosen expert generates a prefix moves by at
+  most e^{+-eps'} when one expert is added or removed (sampling stability);
+- Laplace scale b = 2 / eps' for monotone stability queries (4 / eps' otherwise), used for the threshold noise
+  and for every query's noise;
+- a bad prefix (q_k < G0 / p_min) passes with probability at most beta = P[nu - rho >= t], nu, rho ~ Laplace(b),
+  P[nu - rho >= t] = (1/2 + t / (4b)) exp(-t / b); t_beta solves it for beta;
+- threshold G = G0 / p_min + t_beta, and each run is (2 eps', beta)-DP for the expert unit.
+
+Composition over T runs (spec "Composition over T"): rule used here, beta = delta / (2 T) (half the stage's delta
+goes to the bad-prefix events, the other half is the slack of the tight composition), then the largest eps' such
+that the PLD composition of T (2 eps', beta) pairs (optimal composition of (eps, delta) pairs, dp_accounting) is
+within (epsilon, delta) at the stage's delta. Bisection returns a value that is verified to fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dporl.privacy.accountants import epsilon_for
+from dporl.privacy.events import ApproxDPEvent
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+
+# Relative precision of the eps' search (the last verified value is returned, so this only costs utility).
+EPSILON_PRIME_TOLERANCE = 1e-4
+
+
+def laplace_difference_tail(t: float, scale: float) -> float:
+    """P[nu - rho >= t] for independent nu, rho ~ Laplace(scale), t >= 0."""
+    return (0.5 + t / (4 * scale)) * math.exp(-t / scale)
+
+
+def laplace_difference_quantile(beta: float, scale: float) -> float:
+    """The t >= 0 with P[nu - rho >= t] = beta (0 < beta <= 1/2); the tail decreases strictly in t."""
+    from scipy.optimize import brentq
+
+    check_probability("beta", beta, allow_zero=False)
+    if beta > 0.5:
+        raise ValidationError("beta", f"the tail is at most 1/2 for t >= 0; got beta={beta}")
+    if beta == 0.5:
+        return 0.0
+    # In units of the scale, u = t / b solves f(u) = log(1/2 + u/4) - u - log(beta) = 0. With L = -log(beta):
+    # f(0) = log(1/2) + L > 0 and f(2 + 2L) = log(1 + L/2) - 2 - L < 0, so [0, 2 + 2L] brackets the root.
+    target = math.log(beta)
+    u = brentq(lambda x: math.log(0.5 + x / 4) - x - target, 0.0, 2 * (1 - target), xtol=1e-14, rtol=1e-15)
+    return u * scale
+
+
+@dataclass(frozen=True)
+class StablePrefixThreshold:
+    g0: float
+    noise_scale: float
+    t_beta: float
+    threshold: float
+
+
+def stable_prefix_threshold(epsilon_prime: float, beta: float, p_min: float, monotone: bool = True) -> StablePrefixThreshold:
+    """G0, Laplace scale, t_beta and G = G0 / p_min + t_beta for one run with budget eps' and failure beta."""
+    check_positive("epsilon_prime", epsilon_prime)
+    check_probability("p_min", p_min, allow_zero=False, allow_one=False)
+    g0 = 1.0 / (-math.expm1(-epsilon_prime))
+    scale = (2.0 if monotone else 4.0) / epsilon_prime
+    t_beta = laplace_difference_quantile(beta, scale)
+    return StablePrefixThreshold(g0, scale, t_beta, g0 / p_min + t_beta)
+
+
+@dataclass(frozen=True)
+class StablePrefixBudget:
+    epsilon_prime: float  # per-query budget eps' of one run
+    beta: float  # per-run delta (bad prefix passes)
+    threshold: float  # G = G0 / p_min + t_beta
+    noise_scale: float  # Laplace scale b of the threshold and of every query
+    g0: float
+    t_beta: float
+    event: ApproxDPEvent  # one run: (2 eps', beta)-DP, privacy unit: expert
+    trajectories: int  # T runs
+    composed_epsilon: float  # PLD epsilon of the T runs at `delta` (<= the stage's epsilon)
+    delta: float
+
+
+def stable_prefix_budget(
+    epsilon: float, delta: float, trajectories: int, p_min: float, n_experts: int, monotone: bool = True
+) -> StablePrefixBudget:
+    """Largest per-run eps' for T = ``trajectories`` runs within the stage budget (epsilon, delta); see module."""
+    check_positive("release.epsilon", epsilon)
+    check_probability("release.delta", delta, allow_zero=False, allow_one=False)
+    if not isinstance(trajectories, int) or trajectories < 1:
+        raise ValidationError("release.trajectories", f"must be an integer >= 1, got {trajectories!r}")
+    check_probability("p_min", p_min, allow_zero=False, allow_one=False)
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValidationError("n_experts", f"must be an integer >= 1, got {n_experts!r}")
+    beta = delta / (2 * trajectories)
+
+    def composed(eps_prime: float) -> float:
+        return epsilon_for([(ApproxDPEvent(2 * eps_prime, beta), trajectories)], delta, "pld")
+
+    # Bracket: low fits, high does not. Basic composition (T x 2 eps' <= epsilon) always fits up to the PLD grid.
+    low, high = epsilon / (2 * trajectories) * 0.5, epsilon
+    if composed(low) > epsilon:
+        raise PrivacyBudgetError("release.epsilon", f"epsilon={epsilon} is too small to split over {trajectories} runs")
+    while composed(high) <= epsilon:
+        low, high = high, 2 * high
+    while high - low > EPSILON_PRIME_TOLERANCE * low:
+        middle = 0.5 * (low + high)
+        if composed(middle) <= epsilon:
+            low = middle
+        else:
+            high = middle
+    eps_prime = low
+
+    threshold = stable_prefix_threshold(eps_prime, beta, p_min, monotone)
+    if n_experts * p_min < threshold.g0:
+        raise PrivacyBudgetError(
+            "p_min",
+            f"n_experts * p_min = {n_experts} * {p_min:g} = {n_experts * p_min:.4g} < G0 = 1/(1 - exp(-eps')) = "
+            f"{threshold.g0:.4g} (eps' = {eps_prime:.4g} from epsilon={epsilon}, T={trajectories}): not even the first "
+            "action is stable and the release would not be private; use more experts, a larger p_min, a larger "
+            "release epsilon or fewer trajectories",
+        )
+    return StablePrefixBudget(
+        epsilon_prime=eps_prime,
+        beta=beta,
+        threshold=threshold.threshold,
+        noise_scale=threshold.noise_scale,
+        g0=threshold.g0,
+        t_beta=threshold.t_beta,
+        event=ApproxDPEvent(2 * eps_prime, beta),
+        trajectories=trajectories,
+        composed_epsilon=composed(eps_prime),
+        delta=delta,
+    )
