@@ -12,7 +12,7 @@ from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import get_pipeline
 from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, evaluate, run
 from dporl.utils.config import from_dict, to_dict
-from dporl.utils.validation import ValidationError
+from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 M, PER_EXPERT, P_MIN = 600, 1, 0.1
 
@@ -130,9 +130,9 @@ def test_registered_and_refusals(logged, tmp_path):
     with pytest.raises(ValidationError) as info:
         config(logged, tmp_path, **{"dp.p_dp": 0.0})
     assert info.value.field == "dp.p_dp"
-    with pytest.raises(ValidationError) as info:  # m p_min = 60 < G0 at eps1 = 0.005 over 5 runs
+    with pytest.raises(PrivacyBudgetError) as info:  # m p_min = 60 < G0 at eps1 = 0.005 over 5 runs
         run(config(logged, tmp_path, epsilon=0.01))
-    assert info.value.field == "release.epsilon"
+    assert info.value.field in ("p_min", "release.epsilon")
 
 
 def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
@@ -151,7 +151,7 @@ def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
     assert summary["runs"] == 5 and summary["failed"] == 2
     cells = {(e["method"], e["epsilon"]): e for e in summary["table"]}
     assert cells[("mixed", 10.0)]["seeds"] == 1 and cells[("mixed", 0.01)]["seeds"] == 0
-    assert "release.epsilon" in cells[("mixed", 0.01)]["note"] and "dp.epsilon" in cells[("dp_sgd", 0.01)]["note"]
+    assert "p_min" in cells[("mixed", 0.01)]["note"] and "dp.epsilon" in cells[("dp_sgd", 0.01)]["note"]
     assert cells[("mixed", 10.0)]["guarantee_epsilon"] <= 10.0
     # non_private has no budget: the same seeds fill every epsilon column.
     assert cells[("non_private", 10.0)]["return_mean"] == cells[("non_private", 0.01)]["return_mean"]

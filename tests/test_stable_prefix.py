@@ -84,7 +84,7 @@ def brute_force_q(experts: ExpertSet, obs: np.ndarray, actions: np.ndarray) -> n
     """q_k = sum_i prod_{t<=k} pi_i(a_t | s_t), one expert at a time, in probability space (float64)."""
     q = np.zeros(len(actions))
     for i in range(experts.n_experts):
-        probs = experts.log_probs(torch.from_numpy(obs[: len(actions)]), experts=[i])[0].double().exp().numpy()
+        probs = experts.log_probs(torch.tensor(obs[: len(actions)]), experts=[i])[0].double().exp().numpy()
         q += np.cumprod(probs[np.arange(len(actions)), actions])
     return q
 
@@ -111,7 +111,7 @@ def test_stability_query_equals_brute_force_sum(world):
     log_q = []
     for k in range(len(actions)):  # step by step, in expert chunks of 7 (not a divisor of 200)
         step_q, log_mass = stability_log_queries(
-            experts, torch.from_numpy(obs[k : k + 1]), torch.from_numpy(actions[k : k + 1]), log_mass, expert_chunk=7
+            experts, torch.tensor(obs[k : k + 1]), torch.tensor(actions[k : k + 1]), log_mass, expert_chunk=7
         )
         log_q.append(float(step_q[0]))
     np.testing.assert_allclose(np.exp(log_q), brute_force_q(experts, obs, actions), rtol=1e-9)
@@ -208,8 +208,8 @@ def test_too_few_experts_for_the_first_action_is_refused():
     experts = make_experts(5, spread=0.0)
     data = make_dataset(experts, per_expert=1, length=3)
     with pytest.raises(PrivacyBudgetError) as info:
-        release(data, experts)
-    assert info.value.field == "release.epsilon"
+        release(data, experts, ledger=(ledger := RecordingLedger()))
+    assert info.value.field == "p_min" and ledger.records == []  # refused before anything is spent
 
 
 def test_p_min_mismatch_between_data_and_experts_is_refused(world):

@@ -43,7 +43,7 @@ from dporl.experts.expert_set import ExpertSet
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.sparse_vector import StablePrefixBudget, stable_prefix_budget
 from dporl.utils.io import atomic_write_json
-from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 if TYPE_CHECKING:
     from dporl.privacy.ledger import PrivacyLedger
@@ -188,13 +188,8 @@ def release_stable_prefixes(
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
     p_min = check_release_preconditions(dataset, expert_set, config)
     m, runs = expert_set.n_experts, config.trajectories
+    # Refuses m * p_min < G0 (not even the first action would be stable) before any query is answered.
     budget = stable_prefix_budget(epsilon, delta, runs, p_min, m, monotone=config.monotone)
-    if m * p_min < budget.g0:
-        raise PrivacyBudgetError(
-            "release.epsilon",
-            f"m * p_min = {m * p_min:.4g} < G0 = 1/(1 - exp(-eps')) = {budget.g0:.4g} at eps'={budget.epsilon_prime:.4g}: "
-            "not even one action is stable; raise the release epsilon, lower T, or use more experts / larger p_min",
-        )
     if ledger is not None:
         if RELEASE_STAGE not in ledger.stages:
             ledger.stage(RELEASE_STAGE, budget=(epsilon, delta), mechanism="pld", unit="expert")
