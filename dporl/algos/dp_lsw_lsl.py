@@ -136,7 +136,12 @@ def lsw_estimate(data: FirstVisitData, features: torch.Tensor, weights: torch.Te
 
 
 def dp_lsw_sigma(
-    counts: torch.Tensor, features: torch.Tensor, weights: torch.Tensor, epsilon: float, delta: float, return_bound: float
+    counts: torch.Tensor,
+    features: torch.Tensor,
+    weights: torch.Tensor,
+    epsilon: float,
+    delta: float,
+    return_bound: float,
 ) -> tuple[float, float]:
     """(sigma_X, psi) of DP-LSW: psi = max_{0<=k<=max|X_s|} e^{-k beta} sum_s w_s / max(|X_s| - k, 1)^2."""
     alpha, beta = smooth_sensitivity_constants(epsilon, delta, int(features.shape[1]))
@@ -144,7 +149,8 @@ def dp_lsw_sigma(
     k = torch.arange(int(counts.max()) + 1, dtype=torch.float64).unsqueeze(1)  # [K+1, 1]
     phi_k = (weights / (counts - k).clamp_min(1.0) ** 2).sum(1)
     psi = float((torch.exp(-k.squeeze(1) * beta) * phi_k).max())
-    pinv_norm = float(torch.linalg.matrix_norm(torch.linalg.pinv(weights.sqrt().unsqueeze(1) * features.double()), ord=2))
+    pinv = torch.linalg.pinv(weights.sqrt().unsqueeze(1) * features.double())
+    pinv_norm = float(torch.linalg.matrix_norm(pinv, ord=2))
     return alpha * return_bound * pinv_norm * math.sqrt(psi), psi
 
 
@@ -173,12 +179,15 @@ def dp_lsw(
     return OutputPerturbationResult(theta, epsilon, delta, sigma, psi)
 
 
-def lsl_estimate(data: FirstVisitData, features: torch.Tensor, regression_weights: torch.Tensor, lam: float) -> torch.Tensor:
-    """Non-private LSL: theta = (Phi^T Gamma_X Phi + lambda/(2m) I)^{-1} Phi^T Gamma_X F_X, Gamma_X = rho_s |X_s| / m."""
+def lsl_estimate(
+    data: FirstVisitData, features: torch.Tensor, regression_weights: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """Non-private LSL: theta = (Phi^T Gamma_X Phi + lambda/(2m) I)^{-1} Phi^T Gamma_X F_X, Gamma_X = rho_s |X_s|/m."""
     m = data.n_trajectories
     features = features.double()
     gamma_x = regression_weights * data.visit_counts.double() / m
-    lhs = features.T @ (gamma_x.unsqueeze(1) * features) + lam / (2 * m) * torch.eye(features.shape[1], dtype=torch.float64)
+    ridge = lam / (2 * m) * torch.eye(features.shape[1], dtype=torch.float64)
+    lhs = features.T @ (gamma_x.unsqueeze(1) * features) + ridge
     return torch.linalg.solve(lhs, features.T @ (gamma_x * data.mean_returns()))
 
 

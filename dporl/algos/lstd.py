@@ -53,7 +53,7 @@ class TDTerms:
 def importance_ratios(
     data: Mapping[str, torch.Tensor], target_policy: Optional[TargetPolicy], dtype: torch.dtype
 ) -> torch.Tensor:
-    """rho_t = pi(a_t | s_t) / pi_b(a_t | s_t) from logged behaviour log-probabilities; 1 when ``target_policy`` is None."""
+    """rho_t = pi(a_t | s_t) / pi_b(a_t | s_t) from logged behaviour log-probabilities (1 on-policy)."""
     mask = data["mask"].to(dtype)
     if target_policy is None:
         return mask
@@ -82,7 +82,9 @@ def td_terms(
     n_traj, horizon = mask.shape
     obs = data["observations"]
     if obs.shape[:2] != (n_traj, horizon + 1):
-        raise ValidationError("observations", f"expected [N, L+1, ...] = [{n_traj}, {horizon + 1}, ...], got {tuple(obs.shape)}")
+        raise ValidationError(
+            "observations", f"expected [N, L+1, ...] = [{n_traj}, {horizon + 1}, ...], got {tuple(obs.shape)}"
+        )
     lengths = mask.sum(1)
     if n_traj and lengths.min() < 1:
         raise ValidationError("mask", "every trajectory needs at least one transition")

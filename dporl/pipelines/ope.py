@@ -183,7 +183,9 @@ class FiniteProblem:
     def __post_init__(self) -> None:
         expected_reward = (self.transitions * self.step_rewards).sum(1)
         self.distribution = on_policy_distribution(self.transitions, self.start)
-        self.stats = exact_td_statistics(self.feature_matrix, self.transitions, expected_reward, self.distribution, self.gamma)
+        self.stats = exact_td_statistics(
+            self.feature_matrix, self.transitions, expected_reward, self.distribution, self.gamma
+        )
 
     def metrics(self, theta: torch.Tensor) -> dict[str, float]:
         values = self.feature_matrix @ theta.double()
@@ -444,7 +446,9 @@ def run_gpope(
         config=TrainerConfig(
             max_steps=steps, seed=run_info.get("trial", 0), log_every=max(1, steps // 20), eval_every=steps,
             checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False, resume=True,
-            optimizer=OptimizerConfig(name="sgd", lr=step_size, schedule=settings.schedule, time_offset=settings.time_offset),
+            optimizer=OptimizerConfig(
+                name="sgd", lr=step_size, schedule=settings.schedule, time_offset=settings.time_offset
+            ),
         ),
         dp=DPConfig(
             epsilon=config.epsilon, delta=config.delta, noise_multiplier=settings.noise_multiplier,
@@ -499,7 +503,9 @@ def _lsl_lambda_scale(config: OPEConfig, problem: FiniteProblem, public: dict, m
         if scale * math.sqrt(m) > floor:
             scores[scale] = run_output_perturbation("dp_lsl", config, problem, public, scale, None)["mspbe"]
     if not scores:
-        raise ValidationError("output_perturbation.lsl_lambda_grid", f"no lambda exceeds ||Phi||^2 = {floor:g} at m={m}")
+        raise ValidationError(
+            "output_perturbation.lsl_lambda_grid", f"no lambda exceeds ||Phi||^2 = {floor:g} at m={m}"
+        )
     return min(scores, key=scores.get)
 
 
@@ -580,8 +586,9 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
     atomic_write_text(run_dir / "results.csv", "\n".join(csv) + "\n")
     unit = "trajectory"
     gp_analysis = (
-        analysis_name(config.gpope.accountant) + (", Poisson sampling, add/remove one trajectory" if config.gpope.mode == "poisson"
-                                                  else ", sampling without replacement, replace one trajectory")
+        analysis_name(config.gpope.accountant)
+        + (", Poisson sampling, add/remove one trajectory" if config.gpope.mode == "poisson"
+           else ", sampling without replacement, replace one trajectory")
     )
     if config.experiment == "chain":
         setting = f"Chain ({config.chain.n_states} states, p={config.chain.stay_probability}, gamma={config.gamma})"
@@ -600,14 +607,20 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
         eps = "n/a (not private)" if math.isinf(e["epsilon"]) else f"{e['epsilon']:.4g}"
         lines.append(f"| {e['method']} | {e['m']} | {e['trials']} | {e['mspbe_mean']:.3e} +- {e['mspbe_std']:.1e} | "
                      f"{e['rmse_mean']:.3e} +- {e['rmse_std']:.1e} | {eps} |")
+    paper = [e for e in table if "paper_lemma1_epsilon" in e]
+    if paper:
+        lines += ["", "The paper's Lemma 1 moments bound for the same runs (the paper's figure, NOT dporl's guarantee): "
+                  + ", ".join(f"m={e['m']} ({e['method']}): eps={e['paper_lemma1_epsilon']:.4g}" for e in paper)]
     lines += ["", "Tuned on public data: " + ", ".join(
-        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:g}, DP-LSL lambda scale {v['lsl_lambda_scale']:g}"
+        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:g}, "
+        f"DP-LSL lambda scale {v['lsl_lambda_scale']:g}"
         for m, v in tuned.items())]
     atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
     for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
         series = {}
         for method in dict.fromkeys(e["method"] for e in table):
-            picked = [e for e in table if e["method"] == method and math.isfinite(e[f"{key}_mean"]) and e[f"{key}_mean"] > 0]
+            picked = [e for e in table
+                      if e["method"] == method and math.isfinite(e[f"{key}_mean"]) and e[f"{key}_mean"] > 0]
             if picked:
                 series[method] = ([e["m"] for e in picked], [e[f"{key}_mean"] for e in picked], None)
         if not series:  # e.g. no RMSE without closed-form values (Mountain Car)
