@@ -203,3 +203,21 @@ def test_load_rejects_bad_files(tmp_path):
     torch.save(payload, tmp_path / "shape.pt")
     with pytest.raises(ValidationError, match="state_dict"):
         ExpertSet.load(tmp_path / "shape.pt")
+
+
+@pytest.mark.parametrize("softening,p_min", [("argmax", 0.1), ("none", None)])
+def test_in_place_softening_never_touches_parameters_or_inputs(softening, p_min):
+    # Softening overwrites the freshly computed logits in place; parameters and the caller's states must survive.
+    for policy in (StackedMLPPolicy.from_single(_single_mlps(3, seed=11)), StackedLinearPolicy.from_weights(
+            torch.randn(3, OBS_DIM, N_ACTIONS), torch.randn(3, N_ACTIONS))):
+        experts = ExpertSet(policy, p_min, softening)
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        states = _states(8)
+        states_copy = states.clone()
+        first = experts.log_probs(states)
+        experts.log_probs_paired(states.expand(3, -1, -1))
+        experts.log_prob_of(states, torch.zeros(8, dtype=torch.long))
+        torch.testing.assert_close(experts.log_probs(states), first)
+        assert torch.equal(states, states_copy)
+        for name, value in policy.state_dict().items():
+            assert torch.equal(value, before[name]), name
