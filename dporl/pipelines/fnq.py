@@ -355,7 +355,9 @@ def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
     reference = groups.pop("reference", [])
     for key, group in groups.items():
         series = {r["label"]: (r["curve_x"], r["curve_mean"], r["curve_std"]) for r in reference + group}
-        series.update({f"{r['label']} (Q_theta)": (r["curve_x"], r["curve_q_mean"], None) for r in reference + group})
+        # Q_theta alone differs from Q + g only where there are paths.
+        series.update({f"{r['label']} (Q_theta)": (r["curve_x"], r["curve_q_mean"], None)
+                       for r in reference + group if r["sigma"] > 0})
         title = f"{config.env_id}: " + (f"eps = {key}, delta = {config.delta:g}" if config.epsilons else key)
         path = Path(config.run_dir) / f"curves_{'eps' if config.epsilons else ''}{key}.png"
         plot_lines(path, series, xlabel="samples", ylabel="return (mean +- 1 std over seeds)", title=title)
