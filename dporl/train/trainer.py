@@ -120,13 +120,30 @@ class Trainer:
         event = self.source.step_event(sigma)
         if event is None:
             raise ValidationError("dp.enabled", "the batch source has no private branch; disable dp for it")
-        allowed = max_steps(event, dp.epsilon, dp.delta, mechanism=dp.accountant)
+        allowed = max_steps(event, dp.epsilon, dp.delta, mechanism=dp.accountant, limit=cap)
         if allowed == 0:
             raise PrivacyBudgetError(
                 "dp.epsilon", f"not even one step fits epsilon={dp.epsilon} at delta={dp.delta} with sigma={sigma:g}"
             )
-        total = allowed if cap is None else min(cap, allowed)
-        return sigma, event, total
+        return sigma, event, allowed
+
+    def _open_stage(self) -> None:
+        """The private stage of this run, in the ledger: budget, analysis and the algorithm's privacy unit."""
+        unit = getattr(self.algorithm, "privacy_unit", None)
+        if unit is None:
+            raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
+        budget = (self.dp.epsilon, self.dp.delta)
+        if self.stage not in self.ledger.stages:
+            self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit)
+            return
+        existing = self.ledger.stages[self.stage]
+        # A stage opened by the pipeline must be the one this loop plans for, or the step count would be wrong.
+        if (existing.budget, existing.mechanism, existing.unit) != (budget, self.dp.accountant, unit):
+            raise ValidationError(
+                "ledger.stage",
+                f"stage {self.stage!r} exists with budget {existing.budget}, {existing.mechanism}, unit "
+                f"{existing.unit!r}; this run needs {budget}, {self.dp.accountant}, unit {unit!r}",
+            )
 
     def _trainable(self) -> list[nn.Parameter]:
         params = [p for p in self.algorithm.parameters() if p.requires_grad]
@@ -155,8 +172,7 @@ class Trainer:
                 noise=noise,
                 mode=self.dp.clipping,
             )
-            if self.stage not in self.ledger.stages:
-                self.ledger.stage(self.stage, budget=(self.dp.epsilon, self.dp.delta), mechanism=self.dp.accountant)
+            self._open_stage()
 
         step, budget_steps, eval_history = 0, 0, []
         if self.checkpoint_path.exists():
@@ -192,10 +208,10 @@ class Trainer:
                 if event is not None and budget_steps >= authorised:
                     authorised = min(total_budget_steps, budget_steps + config.journal_every)
                     write_journal(self.journal_path, authorised)
+                if event is not None:  # paid before it runs: a step the ledger refuses never happens
+                    self.ledger.record(self.stage, event)
                 diagnostics = self._step(self.source.sample(generator), engine, optimizer)
                 scheduler.step()
-                if event is not None:
-                    self.ledger.record(self.stage, event)
                 step += 1
                 budget_steps += 1
                 progress.update(1)
