@@ -17,7 +17,8 @@ Power: ``threshold_factor`` scales the calibrated threshold G = G0 / p_min + t_b
 ``noise_factor`` the Laplace scale; a release without a threshold (0, noise 1e-3: whole rollouts released) leaks
 the canary's rollouts. The bound can only exceed log(P[canary chosen] / P_D'[many 1s] upper bound) ~ log(trials /
 (m + 1)), so the defaults keep m small; at T = 1 and beta = 1e-5 the threshold (~64) then exceeds m + 1 and the
-honest release releases nothing. A run with m = 50, eps = 2 (prefixes of 2-3 steps released) is in the AUDIT note.
+honest release releases nothing. With m = 60, eps = 2 prefixes of 1-4 steps are released (eps_lb = 0 at 50k
+trials per neighbour; 4.28 > 2 without the threshold).
 """
 
 from __future__ import annotations
