@@ -16,7 +16,7 @@ Trials are vectorised: n independent runs are n runs of the release's own lockst
 Power: ``threshold_factor`` scales the calibrated threshold G = G0 / p_min + t_beta (0: no threshold at all) and
 ``noise_factor`` the Laplace scale; a release without a threshold (0, noise 1e-3: whole rollouts released) leaks
 the canary's rollouts. The bound can only exceed log(P[canary chosen] / P_D'[many 1s] upper bound) ~ log(trials /
-(m + 1)), so the defaults keep m small; at T = 1 and beta = 1e-5 the threshold (~64) then exceeds m + 1 and the
+(m + 1)), so the defaults keep m small; at T = 1 and delta = 1e-5 the threshold (~67) then exceeds m + 1 and the
 honest release releases nothing. With m = 60, eps = 2 prefixes of 1-4 steps are released (eps_lb = 0 at 50k
 trials per neighbour; 4.28 > 2 without the threshold).
 """
