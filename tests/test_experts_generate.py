@@ -10,6 +10,7 @@ from dporl.experts.analytic import (
     cartpole_linearisation,
     cartpole_lqr_experts,
     discrete_lqr_gains,
+    hiv_switching_experts,
 )
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.generate import GenerationConfig, RayConfig, _keep_best, generate_experts
@@ -44,6 +45,18 @@ def test_cartpole_gains_depend_on_physics_and_policies_act_on_the_sign():
     assert acrobot.n_experts == 6 and acrobot.n_actions == 3
     with pytest.raises(ValidationError, match="env_id"):
         analytic_experts("LunarLander-v3", SETTINGS, 1, seed=0)
+
+
+def test_hiv_rule_gives_both_drugs_above_the_switch_point_and_rti_below():
+    policy, info = hiv_switching_experts([{}, {}], 2, seed=3)
+    switch = torch.tensor(info["switch"])
+    states = torch.zeros(4, 2, 6)
+    states[:, :, 5] = 1.5  # log10 E
+    states[:, 0, 4] = states[:, 0, 5] + switch + 0.1  # u = +0.1: both drugs
+    states[:, 1, 4] = states[:, 1, 5] + switch - 0.1  # u = -0.1: RTI only
+    actions = policy.forward_paired(states).argmax(-1)
+    assert actions[:, 0].tolist() == [3] * 4 and actions[:, 1].tolist() == [1] * 4
+    assert policy.n_actions == 4 and len(set(info["switch"])) == 4
 
 
 def test_analytic_generation_keeps_the_best_candidates_of_each_setting():

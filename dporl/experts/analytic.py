@@ -17,9 +17,13 @@ only uses that argmax; ``logit_scale`` matters only for the raw softmax (``softe
 - Acrobot-v1: energy-pumping-style rule "torque in the direction of the second joint's velocity" plus small random
   feedback on the first joint's velocity and the links' sines, drawn per expert. Physics does not enter the gains;
   per-setting specialisation comes only from keeping the best candidates on each setting (``generate.py``).
+- dporl/HIVTreatment-v0: "both drugs while log10 V - log10 E > c, otherwise RTI only", with the switch point c drawn
+  per expert. On the paper's 20-day x 50-step setting (c = 1) this rule's return is 2.24e6, against 1.76e6 for both
+  drugs throughout and 0.86e6 without treatment (measured). The drug costs R1, R2 of a setting do not enter; as for
+  Acrobot, selection on the setting does.
 
 LunarLander's hand-written heuristic is piecewise (clipping, absolute values, leg-contact overrides) and not a linear
-policy, so there is no analytic LunarLander family: use PPO experts there (and for HIV).
+policy, so there is no analytic LunarLander family: use PPO experts there.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ CARTPOLE_Q_RANGES = ((0.01, 1.0), (0.01, 1.0), (1.0, 100.0), (0.1, 10.0))
 # Uniform ranges of the Acrobot gains on (cos1, sin1, cos2, sin2, dtheta1, dtheta2); dtheta2 has gain 1.
 # The hand-tuned rule u = dtheta2 swings up in ~80 steps on the default physics; these perturbations stay near it.
 ACROBOT_GAIN_RANGES = ((0.0, 0.0), (0.0, 0.3), (0.0, 0.0), (-0.3, 0.0), (-0.2, 0.05), (1.0, 1.0))
+# HIV observation = log10 (T1, T2, T1*, T2*, V, E); the switch point c of "both drugs while log V - log E > c".
+HIV_VIRUS, HIV_EFFECTORS = 4, 5
+HIV_SWITCH_RANGE = (0.0, 2.0)
 
 
 def cartpole_linearisation(settings: Sequence[Mapping[str, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -128,10 +135,30 @@ def acrobot_pumping_experts(
     }
 
 
+def hiv_switching_experts(
+    settings: Sequence[Mapping[str, float]], experts_per_setting: int, seed: int, logit_scale: float = 1.0
+) -> tuple[StackedLinearPolicy, dict[str, list]]:
+    """Per expert: u = log10 V - log10 E - c; both drugs (action 3) if u > 0, RTI only (action 1) if u < 0.
+
+    Action code [0, -1, 0, +1] over (none, RTI, PI, both): no drug and PI-only keep logit 0 and never win unless
+    u is exactly 0.
+    """
+    rng = np.random.default_rng(seed)
+    count = len(settings) * experts_per_setting
+    gains = np.zeros((count, 6))
+    gains[:, HIV_VIRUS], gains[:, HIV_EFFECTORS] = 1.0, -1.0
+    switch = rng.uniform(*HIV_SWITCH_RANGE, count)
+    return _signed_linear_policy(gains, np.array([0.0, -1.0, 0.0, 1.0]), logit_scale, offsets=-switch), {
+        "setting": np.repeat(np.arange(len(settings)), experts_per_setting).tolist(),
+        "switch": switch.round(6).tolist(),
+    }
+
+
 AnalyticFamily = Callable[..., tuple[StackedLinearPolicy, dict[str, list]]]
 ANALYTIC_FAMILIES: dict[str, AnalyticFamily] = {
     "CartPole-v1": cartpole_lqr_experts,
     "Acrobot-v1": acrobot_pumping_experts,
+    "dporl/HIVTreatment-v0": hiv_switching_experts,
 }
 
 
@@ -147,12 +174,14 @@ def analytic_experts(
     return ANALYTIC_FAMILIES[env_id](settings, experts_per_setting, seed, logit_scale)
 
 
-def _signed_linear_policy(gains: np.ndarray, action_code: np.ndarray, logit_scale: float) -> StackedLinearPolicy:
-    """logits = logit_scale * (gains . s) * action_code: weight [E, d, A] is the outer product, bias 0."""
+def _signed_linear_policy(gains: np.ndarray, action_code: np.ndarray, logit_scale: float,
+                          offsets: np.ndarray | None = None) -> StackedLinearPolicy:
+    """logits = logit_scale * (gains . s + offset) * action_code: weight [E, d, A] and bias [E, A] outer products."""
+    offsets = np.zeros(len(gains)) if offsets is None else offsets
     weight = logit_scale * gains[:, :, None] * action_code[None, None, :]
-    return StackedLinearPolicy.from_weights(
-        torch.as_tensor(weight, dtype=torch.float32), torch.zeros(len(gains), len(action_code))
-    )
+    bias = logit_scale * offsets[:, None] * action_code[None, :]
+    return StackedLinearPolicy.from_weights(torch.as_tensor(weight, dtype=torch.float32),
+                                            torch.as_tensor(bias, dtype=torch.float32))
 
 
 def _setting_value(setting: Mapping[str, Any], name: str, index: int) -> float:
