@@ -6,8 +6,8 @@ competent-but-different experts, which is what the stable-prefix release and exp
 quality is reported by the ``dataset`` pipeline (mean logged return) and in the EXPERTS report.
 
 Every family returns a ``StackedLinearPolicy`` whose logits are ``logit_scale * u(s) * c`` for a scalar control
-signal ``u(s) = k . s`` and a fixed action code ``c`` (CartPole: [-1, +1] for push left/right; Acrobot: [-1, 0, +1]
-for torque -1/0/+1), so the argmax action is the sign of ``u``. The ``"argmax"`` p_min softening of ``ExpertSet``
+signal ``u(s) = k . s + k0`` and a fixed action code ``c`` (CartPole: [-1, +1] for push left/right; Acrobot:
+[-1, 0, +1] for torque -1/0/+1; HIV: [0, -1, 0, +1] over none/RTI/PI/both), so the sign of ``u`` picks the action. The ``"argmax"`` p_min softening of ``ExpertSet``
 only uses that argmax; ``logit_scale`` matters only for the raw softmax (``softening="none"``).
 
 - CartPole-v1: discrete-time LQR on the cart-pole linearised about the upright position, for each expert's physics
