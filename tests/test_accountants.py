@@ -65,7 +65,7 @@ def test_pld_backend_equals_dp_accountings_pld_accountant(q, sigma, steps):
     assert ours == pytest.approx(_dp_accounting_pld(q, sigma, steps, 1e-3), rel=1e-6, abs=1e-9)
 
 
-@pytest.mark.parametrize("q,sigma,steps", [(q, s, n) for q, s, n in GRID if s >= 1.5 and n >= 100])
+@pytest.mark.parametrize("q,sigma,steps", [(0.1, 1.5, 100), (0.01, 5.0, 1000)])
 def test_pld_discretisation_is_pessimistic_and_close_to_the_fine_grid(q, sigma, steps):
     # Pessimistic rounding: the coarse grid can only over-state epsilon; the module claims < 0.2% + 0.005 (the
     # absolute part: rounding up the composed losses by part of a 1e-3 grid step shows at epsilons ~ 0.2).

@@ -38,10 +38,10 @@ def test_max_steps_edge_cases():
 
 @pytest.mark.parametrize("mechanism", ["rdp", "pld"])
 def test_calibrated_sigma_fits_and_is_smallest(mechanism):
-    steps, target = 500, 3.0
+    steps, target = 100, 3.0
 
     def make_event(sigma):
-        return PoissonGaussianEvent(sigma, 0.02)
+        return PoissonGaussianEvent(sigma, 0.05)
 
     sigma = calibrate_noise_multiplier(target, DELTA, steps, make_event=make_event, mechanism=mechanism)
     assert epsilon_for([(make_event(sigma), steps)], DELTA, mechanism) <= target
@@ -49,6 +49,7 @@ def test_calibrated_sigma_fits_and_is_smallest(mechanism):
     assert epsilon_for([(make_event(sigma * 0.998), steps)], DELTA, mechanism) > target
 
 
+@pytest.mark.filterwarnings("ignore:Optimal order")  # Opacus' own grid tops out at 63; irrelevant at eps = 2
 def test_calibration_agrees_with_opacus():
     from opacus.accountants.utils import get_noise_multiplier
 
