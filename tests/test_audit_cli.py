@@ -69,3 +69,14 @@ def test_config_audit_of_an_ope_run(tmp_path):
     assert results[0]["settings"]["sample_rate"] == 0.1
     assert 0 < results[0]["claimed_epsilon"] < 1.0
     assert all(r["privacy_unit"] == "trajectory" for r in results)
+
+
+def test_config_audit_of_a_paper_mode_ope_run(tmp_path):
+    config = tmp_path / "ope.yaml"
+    config.write_text("pipeline: ope\nm_values: [50]\nepsilon: 2.0\ngpope: {mode: paper, noise_multiplier: 3.0}\n"
+                      "output_perturbation: {methods: []}\n")
+    out = tmp_path / "audit.json"
+    assert main(["--config", str(config), "--trials", "2000", "--no-progress", "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["mechanism"] == "gpope_paper" and result["settings"]["n_trajectories"] == 50
+    assert "SampledWithoutReplacementGaussianEvent(noise_multiplier=1.5, sample_size=1, population=50)" in result["analysis"]

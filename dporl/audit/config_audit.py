@@ -7,12 +7,15 @@ use few units: a Poisson step's event depends only on (sigma, q), not on the pop
 
 - ``expert_cql``: ``dp_sgd`` -> one DP-SGD step; ``mixed`` -> one mixture step (and the paper's figure beside it);
   ``stable_only`` / ``mixed`` -> one stable-prefix run (needs m and p_min: from the dataset's metadata, or given).
-- ``ope``: one GPOPE update (Poisson mode, smallest m of the sweep) and, if configured, DP-LSW / DP-LSL releases.
+- ``ope``: one GPOPE update (Poisson or paper mode, smallest m of the sweep) and the configured DP-LSW / DP-LSL
+  releases.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
+
+import torch
 
 from dporl.audit.dpsgd_audits import step_event_factory
 from dporl.audit.experiment import Experiment
@@ -77,22 +80,30 @@ def expert_cql_audits(
 
 def ope_audits(data: Mapping[str, Any]) -> list[Experiment]:
     from dporl.pipelines.ope import OPEConfig
+    from dporl.privacy.samplers import FixedSizeSource
 
     config = from_dict(OPEConfig, data)
     settings = config.gpope
-    if settings.mode != "poisson":
-        raise ValidationError("gpope.mode", "only the Poisson mode's GPOPE update is audited so far")
-    m = min(config.m_values)
-    q = settings.expected_batch_size / m
-    steps = max(1, round(settings.epochs * m / settings.expected_batch_size))
-    sigma = calibrate_noise_multiplier(
-        config.epsilon, config.delta, steps, make_event=step_event_factory(q, None), mechanism=settings.accountant
-    )
-    audits = [build_audit("gpope", {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": settings.clip_norm,
-                                    "delta": config.delta, "accountant": settings.accountant})]
+    m = min(config.m_values)  # the smallest dataset of the sweep: the largest per-step claim
+    clip = settings.clip_norm or 1.0  # sigma is relative to h: the claim does not depend on h (tuned when None)
+    if settings.mode == "poisson":
+        q = min(1.0, settings.expected_batch_size / m)  # as the pipeline samples
+        make_event, steps = step_event_factory(q), max(1, round(settings.epochs / q))
+    else:  # the paper's one trajectory per update, replace-one
+        make_event = FixedSizeSource({"x": torch.zeros(m, 1)}, torch.arange(m), m, 1).step_event
+        steps = max(1, round(settings.epochs * m))
+    sigma = settings.noise_multiplier
+    if sigma is None:
+        sigma = calibrate_noise_multiplier(
+            config.epsilon, config.delta, steps, make_event=make_event, mechanism=settings.accountant
+        )
+    common = {"noise_multiplier": sigma, "max_grad_norm": clip, "delta": config.delta}
+    if settings.mode == "poisson":
+        audits = [build_audit("gpope", {**common, "sample_rate": q, "accountant": settings.accountant})]
+    else:
+        audits = [build_audit("gpope_paper", {**common, "n_trajectories": m})]
     for method in config.output_perturbation.methods:
-        if method in ("dp_lsw", "dp_lsl"):
-            audits.append(build_audit(method, {"epsilon": config.epsilon, "delta": config.delta}))
+        audits.append(build_audit(method, {"epsilon": config.epsilon, "delta": config.delta}))
     return audits
 
 
