@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from dporl.privacy.accountants import Mechanism, epsilon_for, spends_nothing
+from dporl.privacy.accountants import Mechanism, check_count, epsilon_for, spends_nothing
 from dporl.privacy.events import PrivacyEvent
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -39,8 +39,7 @@ def calibrate_noise_multiplier(
     ``make_event(sigma)`` builds the per-step event for a noise multiplier (e.g. a batch source's ``step_event``).
     """
     _check_budget(epsilon, delta)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValidationError("steps", f"must be an integer >= 1, got {steps!r}")
+    steps = check_count("steps", steps, minimum=1)
 
     def spent(sigma: float) -> float:
         event = make_event(sigma)
@@ -83,8 +82,7 @@ def max_steps(
     budget allowing more than 10^9 steps, is an error rather than an endless search.
     """
     _check_budget(epsilon, delta)
-    if limit is not None and (not isinstance(limit, int) or limit < 0):
-        raise ValidationError("limit", f"must be an integer >= 0, got {limit!r}")
+    limit = None if limit is None else check_count("limit", limit)
     cap = STEP_SEARCH_LIMIT if limit is None else limit
     if spends_nothing(event):
         if limit is None:

@@ -27,6 +27,7 @@ from dporl.privacy.accountants import (
     Mechanism,
     adjacency,
     analysis_name,
+    check_count,
     check_mechanism,
     epsilon_for,
     event_pld,
@@ -183,8 +184,7 @@ class PrivacyLedger:
     def record(self, stage: str, event: PrivacyEvent, count: int = 1) -> None:
         """Record ``count`` runs of ``event`` in ``stage``; raises PrivacyBudgetError (recording nothing) if over."""
         s = self._get(stage)
-        if not isinstance(count, int) or count < 0:
-            raise ValidationError("count", f"must be an integer >= 0, got {count!r}")
+        count = check_count("count", count)
         if count == 0:
             return
         if s.budget is not None and not spends_nothing(event):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dporl.privacy.accountants import epsilon_for
+from dporl.privacy.accountants import check_count, epsilon_for
 from dporl.privacy.events import ApproxDPEvent
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -88,11 +88,9 @@ def stable_prefix_budget(
     """Largest per-run eps' for T = ``trajectories`` runs within the stage budget (epsilon, delta); see module."""
     check_positive("release.epsilon", epsilon)
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
-    if not isinstance(trajectories, int) or trajectories < 1:
-        raise ValidationError("release.trajectories", f"must be an integer >= 1, got {trajectories!r}")
+    trajectories = check_count("release.trajectories", trajectories, minimum=1)
     check_probability("p_min", p_min, allow_zero=False, allow_one=False)
-    if not isinstance(n_experts, int) or n_experts < 1:
-        raise ValidationError("n_experts", f"must be an integer >= 1, got {n_experts!r}")
+    n_experts = check_count("n_experts", n_experts, minimum=1)
     beta = delta / (2 * trajectories)
 
     def composed(eps_prime: float) -> float:
