@@ -51,9 +51,6 @@ class Stage:
     headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
     grant: int = 1  # next headroom request size (doubles while requests succeed)
 
-    def describe(self) -> dict[str, Any]:
-        return {"budget": self.budget, "mechanism": self.mechanism, "unit": self.unit, "delta": self.delta}
-
 
 @dataclass
 class StageReport:
@@ -220,12 +217,6 @@ class PrivacyLedger:
         """Epsilon spent by ``stage`` at its delta."""
         s = self._get(stage)
         return s.accountant.get_epsilon(s.delta)
-
-    def remaining(self, stage: str) -> float:
-        s = self._get(stage)
-        if s.budget is None:
-            raise ValidationError("ledger.stage", f"stage {stage!r} has no budget")
-        return max(0.0, s.budget[0] - self.spent(stage))
 
     def report(self) -> PrivacyReport:
         stages = [
