@@ -70,3 +70,13 @@ def test_stable_prefix_release_audit():
     # Without a threshold the canary's whole rollouts are released: P_D[>= 8 ones] ~ 0.68 / 21 vs P_D'[...] ~ 1e-4.
     leaky = run_audit(stable_prefix_audit(threshold_factor=0.0, noise_factor=1e-3), 3_000, seed=8)
     assert leaky.violated, leaky.describe()
+
+
+def test_several_dpsgd_steps_audit_the_composition():
+    # Four full-batch steps with a constant canary gradient are one Gaussian mechanism with sigma / 2: the
+    # accountant's composed claim must hold, and fail once the noise is cut to a fifth.
+    kwargs = {"steps": 4, "noise_multiplier": 2.0, "sample_rate": 1.0}
+    honest = run_audit(dpsgd_step_audit(**kwargs), 2_000, seed=9)
+    assert honest.name == "dpsgd_4_steps" and not honest.violated, honest.describe()
+    weakened = run_audit(dpsgd_step_audit(noise_factor=0.2, **kwargs), 2_000, seed=10)
+    assert weakened.violated, weakened.describe()

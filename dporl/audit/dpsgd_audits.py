@@ -107,12 +107,20 @@ def dpsgd_step_audit(
     mode: str = "bookkeeping",
     accountant: str = "pld",
     noise_factor: float = 1.0,
+    steps: int = 1,
 ) -> Experiment:
-    """One DP-SGD step on D = canary + (n_units - 1) others vs D' = the others."""
+    """``steps`` DP-SGD steps on D = canary + (n_units - 1) others vs D' = the others.
+
+    Several steps audit the accountant's composition too: the canary's clipped gradient stays C e1 at every step
+    (the worst case, which a linear model with a fixed canary attains), so the steps are independent and the
+    statistic is the sum of their e1 projections (likelihood-ratio optimal without subsampling).
+    """
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     if n_units < 1 or dim < 2:
         raise ValidationError("n_units", f"need n_units >= 1 and dim >= 2, got {n_units}, {dim}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValidationError("steps", f"must be an integer >= 1, got {steps!r}")
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
     others = _other_units(n_units - 1, dim, max_grad_norm)
     expected = q * n_units
@@ -120,22 +128,23 @@ def dpsgd_step_audit(
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
         units = _dataset(others, on_d, max_grad_norm)
-        return dpsgd_step_scores(
-            n, units, sample_rate=q, noise_multiplier=used_sigma, clip=max_grad_norm,
+        per_step = dpsgd_step_scores(
+            n * steps, units, sample_rate=q, noise_multiplier=used_sigma, clip=max_grad_norm,
             expected_batch_size=expected, mode=mode, seed=seed,
         )
+        return per_step.reshape(n, steps).sum(1)
 
     return Experiment(
-        name="dpsgd_step",
-        claimed_epsilon=epsilon_for([(event, 1)], delta, accountant),
+        name="dpsgd_step" if steps == 1 else f"dpsgd_{steps}_steps",
+        claimed_epsilon=epsilon_for([(event, steps)], delta, accountant),
         delta=delta,
         privacy_unit="unit (expert / trajectory / transition: whatever the source samples)",
         analysis=f"{event} by {analysis_name(accountant)}",
         neighbours=f"add/remove a canary unit with gradient {CANARY_NORM:g} C e1; the {n_units - 1} others orthogonal",
         scores=scores,
-        chunk_trials=2_000,
+        chunk_trials=max(1, 2_000 // steps),
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_units": n_units, "dim": dim, "mode": mode,
-                  "max_grad_norm": max_grad_norm, "noise_factor": noise_factor},
+                  "max_grad_norm": max_grad_norm, "noise_factor": noise_factor, "steps": steps},
     )
 
 
