@@ -612,8 +612,8 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
         lines += ["", "The paper's Lemma 1 moments bound for the same runs (the paper's figure, NOT dporl's guarantee): "
                   + ", ".join(f"m={e['m']} ({e['method']}): eps={e['paper_lemma1_epsilon']:.4g}" for e in paper)]
     lines += ["", "Tuned on public data: " + ", ".join(
-        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:g}, "
-        f"DP-LSL lambda scale {v['lsl_lambda_scale']:g}"
+        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:g}"
+        + (f", DP-LSL lambda scale {v['lsl_lambda_scale']:g}" if v["lsl_lambda_scale"] else "")
         for m, v in tuned.items())]
     atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
     for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
