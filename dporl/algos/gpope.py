@@ -41,7 +41,11 @@ class GPOPEConfig:
 
 
 class GPOPE(nn.Module):
-    """Linear value estimate V(s) = theta . phi(s) trained by (private) GTD2 on whole trajectories."""
+    """Linear value estimate V(s) = theta . phi(s) trained by (private) GTD2 on whole trajectories.
+
+    Train it with ``DPConfig(clipping="naive")``: closed-form directions need none of the engine's per-layer
+    hooks (the book-keeping tape only understands nn.Linear and refuses the bare parameters theta and w).
+    """
 
     privacy_unit = "trajectory"
 
