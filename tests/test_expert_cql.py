@@ -157,6 +157,7 @@ def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
     assert cells[("non_private", 10.0)]["return_mean"] == cells[("non_private", 0.01)]["return_mean"]
     for name in ("runs.csv", "results.md", "return_vs_epsilon.png"):
         assert (tmp_path / "sweep" / name).stat().st_size > 0
+    assert (tmp_path / "sweep" / "results.md").read_text().count("| non_private |") == 1
     assert run_sweep(sweep)["table"] == summary["table"]  # finished runs are read back, not repeated
 
 
