@@ -193,3 +193,20 @@ def test_state_dict_round_trip(mechanism):
     assert restored.get_epsilon(DELTA) == accountant.get_epsilon(DELTA)
     with pytest.raises(ValidationError):
         make_accountant("prv" if mechanism == "rdp" else "rdp").load_state_dict(accountant.state_dict())
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "pld"])
+def test_huge_noise_is_never_reported_as_free_and_stays_monotone(mechanism):
+    """At sigma ~ 1e5 the numerical analyses underflow to 0; the closed-form zCDP bound must take over."""
+    events = [PoissonGaussianEvent(s, 0.05) for s in (1e3, 1e4, 1e5, 1e6)]
+    if mechanism == "rdp":
+        events += [SampledWithoutReplacementGaussianEvent(s, 1, 20) for s in (1e3, 1e4, 1e5, 1e6)]
+    for family in (events[:4], events[4:]):
+        eps = [epsilon_for([(e, 20)], 1e-5, mechanism) for e in family]
+        if not eps:
+            continue
+        assert all(e > 0 for e in eps)
+        assert all(a >= b for a, b in zip(eps, eps[1:]))
+        # zCDP of 20 unsampled Gaussian steps: rho = 20 / (2 sigma^2), eps = rho + 2 sqrt(rho ln(1/delta)).
+        rho = 20 / (2 * family[-1].noise_multiplier ** 2)
+        assert eps[-1] <= rho + 2 * math.sqrt(rho * math.log(1e5)) + 1e-15

@@ -119,3 +119,11 @@ def test_stage_validation():
     ledger.stage("free", delta=1e-5)  # an unbudgeted stage only reports
     ledger.record("free", TRAIN, 10**4)
     assert ledger.spent("free") > 1.0
+
+
+def test_a_release_of_exactly_the_budget_fits_but_one_more_does_not():
+    ledger = PrivacyLedger()
+    ledger.stage("release", budget=(0.1, 1e-5), mechanism="pld", unit="trajectory")
+    ledger.record("release", ApproxDPEvent(0.1, 1e-5))  # composes to 0.1 + 7e-17 in floating point
+    with pytest.raises(PrivacyBudgetError):
+        ledger.record("release", ApproxDPEvent(1e-3, 0.0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from dporl.privacy.accountants import Mechanism, check_count, epsilon_for, spends_nothing
+from dporl.privacy.accountants import Mechanism, check_count, epsilon_for, spends_nothing, within_budget
 from dporl.privacy.events import PrivacyEvent
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -49,13 +49,13 @@ def calibrate_noise_multiplier(
 
     # Bracket from sigma = 1 outwards (each evaluation of a new sigma costs a fresh analysis).
     low, high = 1.0, 1.0
-    if spent(1.0) <= epsilon:
-        while spent(low) <= epsilon:
+    if within_budget(spent(1.0), epsilon):
+        while within_budget(spent(low), epsilon):
             high, low = low, low / 4
             if low < SIGMA_RANGE[0]:
                 return high
     else:
-        while spent(high) > epsilon:
+        while not within_budget(spent(high), epsilon):
             low, high = high, high * 4
             if high > SIGMA_RANGE[1]:
                 raise PrivacyBudgetError(
@@ -66,7 +66,7 @@ def calibrate_noise_multiplier(
     # Invariant: spent(low) > epsilon >= spent(high). Bisect in log space.
     while high / low > 1 + rel_tolerance:
         middle = math.sqrt(low * high)
-        if spent(middle) <= epsilon:
+        if within_budget(spent(middle), epsilon):
             high = middle
         else:
             low = middle
@@ -90,7 +90,7 @@ def max_steps(
         return limit
 
     def fits(n: int) -> bool:
-        return epsilon_for([(event, n)], delta, mechanism) <= epsilon
+        return within_budget(epsilon_for([(event, n)], delta, mechanism), epsilon)
 
     if cap == 0 or not fits(1):
         return 0

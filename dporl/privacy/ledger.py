@@ -32,6 +32,7 @@ from dporl.privacy.accountants import (
     epsilon_for,
     event_pld,
     spends_nothing,
+    within_budget,
 )
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
@@ -189,7 +190,7 @@ class PrivacyLedger:
         s.accountant.record(event, count)
 
     def _fits(self, s: Stage, event: PrivacyEvent, count: int) -> bool:
-        return s.accountant.epsilon_with([(event, count)], s.delta) <= s.budget[0]
+        return within_budget(s.accountant.epsilon_with([(event, count)], s.delta), s.budget[0])
 
     def _reserve(self, s: Stage, event: PrivacyEvent, count: int) -> None:
         held_event, held = s.headroom
