@@ -134,3 +134,5 @@ def test_release_is_recorded_in_the_ledger_at_its_epsilon():
     ledger.stage("dp_lsw", mechanism="pld", unit="trajectory", delta=DELTA)
     ledger.record("dp_lsw", release.event())
     assert ledger.spent("dp_lsw") == pytest.approx(EPS, rel=1e-9)
+    # Balle et al.'s smooth-sensitivity guarantee is for replacing one trajectory, and the report must say so.
+    assert "replace one unit" in ledger.report().describe()

@@ -126,7 +126,7 @@ class OutputPerturbationResult:
     analysis: str = ANALYSIS
 
     def event(self) -> ApproxDPEvent:
-        return ApproxDPEvent(self.epsilon, self.delta)
+        return ApproxDPEvent(self.epsilon, self.delta, replace_one=True)
 
 
 def lsw_estimate(data: FirstVisitData, features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

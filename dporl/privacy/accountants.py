@@ -78,7 +78,10 @@ ADD_REMOVE, REPLACE_ONE = "add/remove one unit", "replace one unit"
 
 
 def adjacency(event: PrivacyEvent) -> str:
-    return REPLACE_ONE if isinstance(event, SampledWithoutReplacementGaussianEvent) else ADD_REMOVE
+    replace_one = isinstance(event, SampledWithoutReplacementGaussianEvent) or (
+        isinstance(event, ApproxDPEvent) and event.replace_one
+    )
+    return REPLACE_ONE if replace_one else ADD_REMOVE
 
 
 def check_mechanism(mechanism: str, field: str = "mechanism") -> str:

@@ -48,10 +48,14 @@ class MixtureEvent:
 
 @dataclass(frozen=True)
 class ApproxDPEvent:
-    """A mechanism known only to be (epsilon, delta)-DP (e.g. one sparse-vector stable-prefix run)."""
+    """A mechanism known only to be (epsilon, delta)-DP (e.g. one sparse-vector stable-prefix run).
+
+    ``replace_one`` marks guarantees proved for replace-one adjacency (DP-LSW / DP-LSL) rather than add/remove.
+    """
 
     epsilon: float
     delta: float = 0.0
+    replace_one: bool = False
 
     def __post_init__(self) -> None:
         check_positive("epsilon", self.epsilon, allow_zero=True)

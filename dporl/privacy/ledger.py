@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from dporl.privacy.accountants import (
     Accountant,
+    ADD_REMOVE,
     Mechanism,
     adjacency,
     analysis_name,
@@ -71,6 +72,7 @@ class PrivacyReport:
     joint: Optional[tuple[float, float]]  # joint PLD (eps, total delta); None if not analysable
     joint_note: str
     unit: Optional[str]
+    relation: Optional[str]  # neighbouring relation every recorded event was analysed under
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -105,7 +107,8 @@ class PrivacyReport:
         else:
             lines.append(
                 f"GUARANTEE: ({guarantee[0]:.4g}, {guarantee[1]:g})-DP, privacy unit: {self.unit} "
-                f"(neighbouring datasets differ in one {self.unit}); analysis: {guarantee[2]}"
+                f"(neighbouring datasets: {self.relation or ADD_REMOVE}, one unit = one {self.unit}); "
+                f"analysis: {guarantee[2]}"
             )
         lines.extend(f"note: {note}" for note in self.notes if guarantee is not None)
         return "\n".join(lines)
@@ -130,7 +133,8 @@ class PrivacyReport:
             "joint_note": self.joint_note,
             "guarantee": (
                 None if guarantee is None else
-                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit}
+                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit,
+                 "neighbouring": self.relation or ADD_REMOVE}
             ),
             "notes": list(self.notes),
             "text": self.describe(),
@@ -235,23 +239,31 @@ class PrivacyLedger:
         notes: list[str] = []
         units = sorted({s.unit for s in self.stages.values()})
         unit = units[0] if len(units) == 1 else None
+        relations = sorted(self._relations())
         basic = None
         if not stages:
             notes.append("no stage recorded")
         elif unit is None:
             notes.append(f"stages protect different privacy units {units}: no single guarantee combines them")
+        elif len(relations) > 1:
+            notes.append(f"stages use different neighbouring relations {relations}: no single guarantee combines them")
         else:
             basic = (sum(s.epsilon for s in stages), sum(s.delta for s in stages))
         joint, joint_note = None, ""
         if basic is not None and len(stages) > 1:
             joint, joint_note = self._joint(basic[1])
-        return PrivacyReport(stages, basic, joint, joint_note, unit, notes)
+        return PrivacyReport(stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes)
+
+    def _relations(self) -> set[str]:
+        return {
+            adjacency(e)
+            for s in self.stages.values()
+            for e, c in s.accountant.history
+            if c and not spends_nothing(e)
+        }
 
     def _joint(self, total_delta: float) -> tuple[Optional[tuple[float, float]], str]:
         events = [(e, c) for s in self.stages.values() for e, c in s.accountant.history]
-        relations = {adjacency(e) for e, c in events if c and not spends_nothing(e)}
-        if len(relations) > 1:
-            return None, f"stages use different neighbouring relations {sorted(relations)}"
         try:
             for event, _ in events:
                 if not spends_nothing(event):

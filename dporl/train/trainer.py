@@ -170,7 +170,8 @@ class Trainer:
                 noise_multiplier=sigma,
                 expected_batch_size=self.source.expected_batch_size,
                 noise=noise,
-                mode=self.dp.clipping,
+                # Closed-form directions are clipped as whole vectors: no per-layer tape, any parameter type.
+                mode="naive" if hasattr(self.algorithm, "unit_directions") else self.dp.clipping,
             )
             self._open_stage()
 
