@@ -80,7 +80,7 @@ def test_chain_sampler_matches_the_exact_statistics(tmp_path):
 
 
 def test_config_files_parse_and_bad_values_fail(tmp_path):
-    for name in ("ope_chain", "ope_chain_tiny", "ope_mountain_car", "ope_mountain_car_off_policy"):
+    for name in ("ope_chain", "ope_chain_tiny", "ope_mountain_car", "ope_mountain_car_off_policy", "ope_hiv"):
         config = from_dict(OPEConfig, load_yaml(f"configs/{name}.yaml"))
         assert config.pipeline == "ope"
     with pytest.raises(ValidationError, match="output_perturbation.methods"):
@@ -89,6 +89,10 @@ def test_config_files_parse_and_bad_values_fail(tmp_path):
         tiny_config(tmp_path, gpope={"mode": "paper", "accountant": "prv"})
     with pytest.raises(ValidationError, match="unknown key"):
         tiny_config(tmp_path, gpope={"stepsize": 0.1})
+    with pytest.raises(ValidationError, match="hiv.coordinates"):
+        tiny_config(tmp_path, hiv={"coordinates": [0, 6, 5]})
+    with pytest.raises(ValidationError, match="hiv.low"):
+        tiny_config(tmp_path, hiv={"low": [4.0, 0.0]})
 
 
 def test_mountain_car_off_policy_runs_gpope_against_wis_lstd_only(tmp_path):
@@ -116,3 +120,62 @@ def test_given_noise_multiplier_runs_the_most_steps_the_budget_allows(tmp_path):
     assert run_summary["steps"] == allowed > 20
     assert run_summary["noise_multiplier"] == 2.0
     assert gpope_row["epsilon"] <= 1.0
+
+
+def test_linear_fitted_q_reaches_the_optimal_q_of_a_tabular_mdp():
+    # Two states, two actions: action 0 stays, action 1 moves to the other state; reward 1 for acting in state 1.
+    # With one-hot (s, a) data and a negligible ridge, fitted Q-iteration is value iteration on Q: compare with
+    # value iteration run here on the same model (error after K steps <= gamma^K / (1 - gamma) ~ 1e-8).
+    from dporl.algos.fitted_q import linear_fitted_q
+
+    gamma, iterations = 0.9, 200
+    states = torch.tensor([0, 0, 1, 1])
+    actions = torch.tensor([0, 1, 0, 1])
+    next_states = torch.tensor([0, 1, 1, 0])
+    rewards = (states == 1).double()
+    q = torch.zeros(2, 2, dtype=torch.float64)
+    for _ in range(iterations):
+        q = rewards.view(2, 2) + gamma * q.max(1).values[next_states].view(2, 2)
+    phi = torch.nn.functional.one_hot(states, 2).double()
+    weights = linear_fitted_q(phi, actions, rewards, torch.nn.functional.one_hot(next_states, 2).double(),
+                              torch.ones(4), n_actions=2, gamma=gamma, iterations=iterations, ridge=1e-12)
+    torch.testing.assert_close(weights.T, q, atol=1e-6, rtol=0)  # weights[a, s] = Q(s, a)
+    with pytest.raises(ValidationError, match="actions"):
+        linear_fitted_q(phi, actions + 1, rewards, phi, torch.ones(4), n_actions=2, gamma=gamma, iterations=1)
+
+
+def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
+    from dporl.algos.lstd import td_statistics, td_terms
+    from dporl.eval.ope_metrics import relative_mspbe
+    from dporl.pipelines.ope import hiv_problem
+
+    config = tiny_config(
+        tmp_path, experiment="hiv", m_values=[6], gamma=0.9,
+        hiv={"horizon": 4, "fqi_patients": 4, "fqi_iterations": 3, "heldout_trajectories": 9},
+        gpope={"clip_norm_grid": [1.0]},
+    )
+    summary = get_pipeline("ope").run(config)
+    methods = {row["method"]: row for row in summary["table"]}
+    assert set(methods) == {"wis-lstd (non-private)", "theta = 0 (no data)", "gpope (1x step)"}
+    assert 0 < methods["gpope (1x step)"]["epsilon"] <= config.epsilon
+    assert all(math.isfinite(row["mspbe_mean"]) for row in summary["table"])
+    assert "HIV treatment" in (tmp_path / "run" / "results.md").read_text()
+
+    # Logged log-probabilities are the behaviour's (softmax of Q); the target is greedy w.r.t. the same Q.
+    problem = hiv_problem(config)
+    data = problem.sample(5, torch.Generator().manual_seed(1))
+    assert data["observations"].shape == (5, 5, 6) and not data["terminated"].any()
+    states = data["observations"][:, :-1]
+    behaviour = problem.behaviour(states).gather(-1, data["actions"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(data["behavior_log_probs"].double(), behaviour.log(), atol=1e-6, rtol=0)
+    q = problem.features(states).double() @ problem.behaviour.q_weights.T
+    assert torch.equal(problem.target_policy(states).argmax(-1), q.argmax(-1))
+
+    # Rewards are stored in reward_scale units, so the reported MSPBE is the relative MSPBE of the raw problem.
+    scale = config.hiv.reward_scale
+    raw = td_statistics(td_terms(problem.features, {**data, "rewards": data["rewards"].double() * scale},
+                                 problem.target_policy, dtype=torch.float64), config.gamma, weighting="transition")
+    scaled = td_statistics(td_terms(problem.features, data, problem.target_policy, dtype=torch.float64),
+                           config.gamma, weighting="transition")
+    theta = torch.linspace(-1, 1, problem.features.n_features, dtype=torch.float64)
+    assert float(mspbe(theta, scaled)) == pytest.approx(float(relative_mspbe(theta * scale, raw, scale)), rel=1e-6)

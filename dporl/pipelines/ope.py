@@ -74,6 +74,55 @@ class MountainCarSettings:
 
 
 @dataclass
+class HIVSettings:
+    """HIV treatment (Adams et al. 2004), off-policy: target greedy w.r.t. a linear fitted-Q, behaviour its softmax.
+
+    Features: an order-``fourier_order`` Fourier basis on the log10 of a few state coordinates (default T1, V, E:
+    healthy T-cells, free virus, immune effectors, which carry the reward and the treatment's effect; the infected
+    compartments follow V closely). Order 2 on 3 coordinates is 27 features: few enough for GPOPE's noise (it
+    grows with the dimension 2n) and for a well-conditioned held-out C.
+    """
+
+    treatment_interval: float = 5.0  # days per decision (the classic setting)
+    horizon: int = 50  # decisions per episode; the classic 200 costs 4x the simulation
+    coordinates: list[int] = field(default_factory=lambda: [0, 4, 5])  # indices into (T1, T2, T1*, T2*, V, E)
+    # Public log10 ranges of those coordinates for the Fourier scaling (T1 <= l1/d1 = 1e6; V and E as simulated
+    # from the unhealthy equilibrium under any treatment sequence).
+    low: list[float] = field(default_factory=lambda: [4.0, -1.0, 0.0])
+    high: list[float] = field(default_factory=lambda: [6.2, 7.0, 6.0])
+    fourier_order: int = 2
+    # Rewards are divided by this public constant (the paper's ~1e5 reward scale) before anything is learnt,
+    # so the MSPBE reported is the relative MSPBE (MSPBE is quadratic in the rewards).
+    reward_scale: float = 1e5
+    fqi_patients: int = 200  # uniform-random simulated episodes for fitted Q-iteration (public data)
+    fqi_iterations: int = 40
+    # Ridge on each action's Gram matrix (~2500 transitions each): 1e-3 lets linear FQI diverge (weights grow
+    # without bound, the greedy policy never treats well); 1 converges within 20 iterations.
+    fqi_ridge: float = 1.0
+    behaviour_temperature: float = 1.0  # behaviour pi_b(a|s) = softmax(Q(s, .) / temperature), Q in reward_scale units
+    efficacy_noise: float = 0.0  # std of the Gaussian noise on administered drug efficacies
+    heldout_trajectories: int = 1000  # independent behaviour data for the sample-based MSPBE
+    tolerance: float = 1e-5  # integrator tolerance (HIVVectorSimulator)
+
+    def __post_init__(self) -> None:
+        check_positive("hiv.treatment_interval", self.treatment_interval)
+        check_positive("hiv.reward_scale", self.reward_scale)
+        check_positive("hiv.behaviour_temperature", self.behaviour_temperature)
+        check_positive("hiv.fqi_ridge", self.fqi_ridge)
+        check_positive("hiv.efficacy_noise", self.efficacy_noise, allow_zero=True)
+        check_positive("hiv.tolerance", self.tolerance)
+        if self.horizon < 1 or self.fqi_patients < 1 or self.fqi_iterations < 1 or self.heldout_trajectories < 2:
+            raise ValidationError("hiv", "horizon, fqi_patients, fqi_iterations must be >= 1, heldout >= 2")
+        if self.fourier_order < 1:
+            raise ValidationError("hiv.fourier_order", f"must be >= 1, got {self.fourier_order}")
+        if not self.coordinates or len(set(self.coordinates)) != len(self.coordinates) \
+                or any(not 0 <= c < 6 for c in self.coordinates):
+            raise ValidationError("hiv.coordinates", f"need distinct indices in [0, 6), got {self.coordinates}")
+        if not (len(self.low) == len(self.high) == len(self.coordinates)):
+            raise ValidationError("hiv.low", "low, high and coordinates need the same length")
+
+
+@dataclass
 class GPOPESettings:
     mode: Literal["poisson", "paper"] = "poisson"
     expected_batch_size: float = 1.0  # Poisson: sample rate q = expected_batch_size / m (1: the paper's rate)
@@ -132,7 +181,7 @@ class OutputPerturbationSettings:
 @dataclass
 class OPEConfig:
     pipeline: str = "ope"
-    experiment: Literal["chain", "mountain_car"] = "chain"
+    experiment: Literal["chain", "mountain_car", "hiv"] = "chain"
     run_dir: str = "runs/ope_chain"
     seed: int = 0
     trials: int = 5
@@ -146,6 +195,7 @@ class OPEConfig:
     progress: bool = True
     chain: ChainSettings = field(default_factory=ChainSettings)
     mountain_car: MountainCarSettings = field(default_factory=MountainCarSettings)
+    hiv: HIVSettings = field(default_factory=HIVSettings)
     gpope: GPOPESettings = field(default_factory=GPOPESettings)
     output_perturbation: OutputPerturbationSettings = field(default_factory=OutputPerturbationSettings)
 
@@ -404,8 +454,130 @@ def mountain_car_problem(config: OPEConfig) -> MountainCarProblem:
                               settings.heldout_trajectories, config.seed)
 
 
+# --------------------------------------------------------------------------------------------- HIV treatment
+@dataclass
+class CoordinateFeatures:
+    """A feature map applied to some coordinates of the observation (``obs[..., coordinates]``)."""
+
+    features: Any
+    coordinates: list[int]
+
+    def __post_init__(self) -> None:
+        self.n_features = self.features.n_features
+
+    def __call__(self, observations: torch.Tensor) -> torch.Tensor:
+        return self.features(observations[..., self.coordinates])
+
+
+@dataclass
+class SoftmaxPolicy:
+    """pi(a|s) = softmax(Q(s, .) / temperature) for a linear Q (weights [n_A, n])."""
+
+    features: Any
+    q_weights: torch.Tensor
+    temperature: float
+
+    def __call__(self, observations: torch.Tensor) -> torch.Tensor:
+        q = self.features(observations).double() @ self.q_weights.T
+        return torch.softmax(q / self.temperature, dim=-1)
+
+
+def simulate_hiv(settings: HIVSettings, policy, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """n episodes from the unhealthy equilibrium under ``policy`` (obs -> action probabilities), padded, with
+    logged log-probabilities; rewards in units of ``reward_scale``. All n patients advance in one batched
+    simulator; episodes are truncated (never terminated) after ``horizon`` decisions."""
+    import numpy as np
+
+    from dporl.envs.hiv import HIVVectorSimulator
+
+    simulator = HIVVectorSimulator(n, treatment_interval=settings.treatment_interval,
+                                   efficacy_noise=settings.efficacy_noise, tolerance=settings.tolerance)
+    rng = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=generator)))
+    horizon = settings.horizon
+    observations = torch.zeros(n, horizon + 1, 6)
+    actions = torch.zeros(n, horizon, dtype=torch.long)
+    rewards = torch.zeros(n, horizon)
+    log_probs = torch.zeros(n, horizon)
+    observations[:, 0] = torch.from_numpy(simulator.observation())
+    for t in range(horizon):
+        probs = policy(observations[:, t])
+        chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        log_probs[:, t] = torch.log(probs.gather(1, chosen.unsqueeze(1)).squeeze(1))
+        actions[:, t] = chosen
+        rewards[:, t] = torch.from_numpy(simulator.step(chosen.numpy(), rng=rng) / settings.reward_scale)
+        observations[:, t + 1] = torch.from_numpy(simulator.observation())
+    return {
+        "observations": observations,
+        "actions": actions,
+        "rewards": rewards,
+        "behavior_log_probs": log_probs,
+        "mask": torch.ones(n, horizon, dtype=torch.bool),
+        "lengths": torch.full((n,), horizon),
+        "terminated": torch.zeros(n, dtype=torch.bool),
+    }
+
+
+@dataclass
+class HIVProblem:
+    """Off-policy evaluation of the fitted-Q greedy policy from its softmax behaviour's episodes; relative MSPBE
+    (rewards in ``reward_scale`` units) on held-out behaviour data."""
+
+    settings: HIVSettings
+    features: Any
+    behaviour: SoftmaxPolicy
+    target_policy: Any
+    gamma: float
+    seed: int
+    finite = False
+    reference_name = "wis-lstd (non-private)"
+
+    def __post_init__(self) -> None:
+        from dporl.algos.lstd import td_statistics, td_terms
+
+        data = self.sample(self.settings.heldout_trajectories, torch.Generator().manual_seed(self.seed + 7))
+        self.stats = td_statistics(td_terms(self.features, data, self.target_policy, dtype=torch.float64), self.gamma,
+                                   weighting="transition")
+
+    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
+        # Rewards are already in reward_scale units, so this MSPBE is the relative MSPBE.
+        return {"mspbe": float(mspbe(theta, self.stats)), "rmse": math.nan}
+
+    def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return simulate_hiv(self.settings, self.behaviour, n, generator)
+
+
+def hiv_q_weights(settings: HIVSettings, features, gamma: float, seed: int) -> torch.Tensor:
+    """Linear fitted-Q weights [4, n] from uniform-random simulated episodes (public setup, no privacy cost)."""
+    from dporl.algos.fitted_q import linear_fitted_q
+
+    data = simulate_hiv(settings, uniform_policy(4), settings.fqi_patients, torch.Generator().manual_seed(seed + 3))
+    observations = data["observations"]
+    return linear_fitted_q(
+        features(observations[:, :-1]).reshape(-1, features.n_features),
+        data["actions"].reshape(-1),
+        data["rewards"].reshape(-1),
+        features(observations[:, 1:]).reshape(-1, features.n_features),
+        torch.ones(data["actions"].numel()),  # truncated episodes: every next state bootstraps
+        n_actions=4, gamma=gamma, iterations=settings.fqi_iterations, ridge=settings.fqi_ridge,
+    )
+
+
+def hiv_problem(config: OPEConfig) -> HIVProblem:
+    from dporl.envs.features import FourierBasis
+
+    settings = config.hiv
+    features = CoordinateFeatures(FourierBasis(settings.fourier_order, settings.low, settings.high),
+                                  list(settings.coordinates))
+    q_weights = hiv_q_weights(settings, features, config.gamma, config.seed)
+    behaviour = SoftmaxPolicy(features, q_weights, settings.behaviour_temperature)
+    target = EpsilonGreedyPolicy(features, q_weights, 0.0)  # greedy w.r.t. the fitted Q
+    return HIVProblem(settings, features, behaviour, target, config.gamma, config.seed)
+
+
 def build_problem(config: OPEConfig):
-    return chain_problem(config) if config.experiment == "chain" else mountain_car_problem(config)
+    if config.experiment == "chain":
+        return chain_problem(config)
+    return mountain_car_problem(config) if config.experiment == "mountain_car" else hiv_problem(config)
 
 
 # --------------------------------------------------------------------------------------------- one release each
@@ -524,7 +696,7 @@ def run(config: OPEConfig) -> dict[str, Any]:
     clip_grid = gp.clip_norm_grid if gp.clip_norm is None else [gp.clip_norm]
     grid = [(lr, h) for lr in step_grid for h in clip_grid] if len(step_grid) * len(clip_grid) > 1 else []
     n_jobs = len(config.m_values) * (len(grid) + config.trials * len(gp.step_size_multipliers))
-    progress = tqdm(total=n_jobs, desc="ope chain", unit="run", disable=not config.progress, dynamic_ncols=True)
+    progress = tqdm(total=n_jobs, desc=f"ope {config.experiment}", unit="run", disable=not config.progress, dynamic_ncols=True)
     for m in config.m_values:
         # Hyper-parameters come from an independent public dataset of the same size (never the private one).
         public = problem.sample(m, _generator(config.seed, m, -1))
@@ -592,9 +764,15 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
     )
     if config.experiment == "chain":
         setting = f"Chain ({config.chain.n_states} states, p={config.chain.stay_probability}, gamma={config.gamma})"
-    else:
+    elif config.experiment == "mountain_car":
         policy = "off-policy, target uniform" if config.mountain_car.off_policy else "on-policy"
         setting = f"MountainCar-v0 ({policy}, Fourier order {config.mountain_car.fourier_order}, gamma={config.gamma})"
+    else:
+        hiv = config.hiv
+        setting = (f"HIV treatment (off-policy: target greedy fitted-Q, behaviour softmax T={hiv.behaviour_temperature};"
+                   f" {hiv.horizon} x {hiv.treatment_interval:g} days, Fourier order {hiv.fourier_order} on log10 state"
+                   f" coordinates {hiv.coordinates}, gamma={config.gamma}; MSPBE relative to reward scale"
+                   f" {hiv.reward_scale:g})")
     lines = [
         f"# {setting}: MSPBE vs m at epsilon={config.epsilon}, delta={config.delta}, privacy unit: {unit}",
         "",
