@@ -159,6 +159,8 @@ def test_sweep_writes_table_and_plot_and_records_refusals(logged, tmp_path):
         assert (tmp_path / "sweep" / name).stat().st_size > 0
     assert (tmp_path / "sweep" / "results.md").read_text().count("| non_private |") == 1
     assert run_sweep(sweep)["table"] == summary["table"]  # finished runs are read back, not repeated
+    changed = from_dict(SweepConfig, {**to_dict(sweep), "overrides": ["dp.p_dp=0.9"], "methods": ["mixed"]})
+    assert "another configuration" in run_sweep(changed)["table"][0]["note"]  # never mislabels a stale run
 
 
 def test_shipped_configs_parse():

@@ -320,6 +320,7 @@ def run(config: ExpertCQLConfig) -> dict:
         "privacy": report.to_dict(),
         "paper_mixture_epsilon_NOT_A_GUARANTEE": _paper_figure(config, source, result),
         "run_dir": str(run_dir),
+        "config": to_dict(config),
     }
     atomic_write_json(run_dir / "expert_cql_summary.json", summary)
     print(report.describe() if report.stages else "NO PRIVACY GUARANTEE: non-private baseline (method non_private)")

@@ -26,7 +26,7 @@ from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
 from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
-from dporl.utils.config import apply_overrides, from_dict, load_yaml
+from dporl.utils.config import apply_overrides, from_dict, load_yaml, to_dict
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
 
@@ -126,7 +126,13 @@ def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQL
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
     try:
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else run_expert_cql(run_config)
+        if summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            if summary.get("config") != json.loads(json.dumps(to_dict(run_config))):
+                raise ValidationError("out_dir", f"{run_config.run_dir} holds a run of another configuration; "
+                                      "use a new out_dir")
+        else:
+            summary = run_expert_cql(run_config)
     except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
         row["error"] = str(exc)
         return row
