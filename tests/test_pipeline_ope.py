@@ -171,6 +171,11 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
     q = problem.features(states).double() @ problem.behaviour.q_weights.T
     assert torch.equal(problem.target_policy(states).argmax(-1), q.argmax(-1))
 
+    # evaluate.py's hook rebuilds the same (seeded, public) problem and rescores the released theta.
+    checkpoint = load_checkpoint(tmp_path / "run" / "m6" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
+    metrics = get_pipeline("ope").evaluate(checkpoint, episodes=1, seed=0, out_dir=tmp_path / "eval")
+    assert metrics["mspbe"] == pytest.approx(problem.metrics(checkpoint["algorithm"]["theta"])["mspbe"], rel=1e-9)
+
     # Rewards are stored in reward_scale units, so the reported MSPBE is the relative MSPBE of the raw problem.
     scale = config.hiv.reward_scale
     raw = td_statistics(td_terms(problem.features, {**data, "rewards": data["rewards"].double() * scale},

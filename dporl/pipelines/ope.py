@@ -7,6 +7,12 @@ against the closed-form values. GPOPE's step size is tuned on an independent *pu
 (the paper's protocol: a step size chosen on the private data would leak), then also run at the configured
 multiples (0.1x, 10x) to check robustness. DP-LSL's lambda = scale * sqrt(m) is tuned the same way.
 
+Off-policy experiments compare GPOPE with the non-private WIS-LSTD on held-out sample MSPBE: Mountain Car
+(behaviour epsilon-greedy Q(lambda), target uniform) and HIV treatment (target greedy w.r.t. a batched linear
+fitted-Q on Fourier features of the log10 state, behaviour the softmax of the same Q; rewards divided by a public
+reward scale, so the MSPBE is the paper's relative MSPBE). DP-LSW / DP-LSL need a finite state space and run on
+the chain only.
+
 Every trial's GPOPE run goes through the shared Trainer (Poisson sampling over trajectories, RDP accounting,
 or the paper's one-trajectory-per-update mode with sampling-without-replacement RDP, replace-one adjacency).
 Outputs in ``run_dir``: results.csv, results.md, mspbe_vs_m.png, rmse_vs_m.png, summary.json and one Trainer
@@ -757,6 +763,7 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
     csv = [",".join(columns)] + [",".join(str(entry[c]) for c in columns) for entry in table]
     atomic_write_text(run_dir / "results.csv", "\n".join(csv) + "\n")
     unit = "trajectory"
+    ran_output_perturbation = any(r["method"] in config.output_perturbation.methods for r in rows)
     gp_analysis = (
         analysis_name(config.gpope.accountant)
         + (", Poisson sampling, add/remove one trajectory" if config.gpope.mode == "poisson"
@@ -776,7 +783,8 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
     lines = [
         f"# {setting}: MSPBE vs m at epsilon={config.epsilon}, delta={config.delta}, privacy unit: {unit}",
         "",
-        f"GPOPE: {gp_analysis}. DP-LSW / DP-LSL: {SMOOTH_SENSITIVITY}, replace one trajectory.",
+        f"GPOPE: {gp_analysis}."
+        + (f" DP-LSW / DP-LSL: {SMOOTH_SENSITIVITY}, replace one trajectory." if ran_output_perturbation else ""),
         "",
         "| method | m | trials | MSPBE (mean +- std) | RMSE (mean +- std) | epsilon |",
         "|---|---|---|---|---|---|",
