@@ -802,7 +802,8 @@ def _write_results(config: OPEConfig, run_dir: Path, rows: list[dict[str, Any]],
         + (f", DP-LSL lambda scale {v['lsl_lambda_scale']:g}" if v["lsl_lambda_scale"] else "")
         for m, v in tuned.items())]
     atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
-    for key, label in (("mspbe", "MSPBE"), ("rmse", "RMSE")):
+    mspbe_label = "relative MSPBE" if config.experiment == "hiv" else "MSPBE"
+    for key, label in (("mspbe", mspbe_label), ("rmse", "RMSE")):
         series = {}
         for method in dict.fromkeys(e["method"] for e in table):
             picked = [e for e in table
