@@ -39,8 +39,8 @@ class RecordingLedger:
     def __init__(self):
         self.stages, self.records = {}, []
 
-    def stage(self, name, *, budget=None, mechanism="rdp", unit="expert"):
-        self.stages[name] = {"budget": budget, "mechanism": mechanism, "unit": unit}
+    def stage(self, name, *, budget=None, mechanism="rdp", unit="expert", analysis=None):
+        self.stages[name] = {"budget": budget, "mechanism": mechanism, "unit": unit, "analysis": analysis}
 
     def record(self, stage, event, count=1):
         self.records.append((stage, event, count))

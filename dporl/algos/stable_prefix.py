@@ -192,7 +192,10 @@ def release_stable_prefixes(
     budget = stable_prefix_budget(epsilon, delta, runs, p_min, m, monotone=config.monotone)
     if ledger is not None:
         if RELEASE_STAGE not in ledger.stages:
-            ledger.stage(RELEASE_STAGE, budget=(epsilon, delta), mechanism="pld", unit="expert")
+            ledger.stage(
+                RELEASE_STAGE, budget=(epsilon, delta), mechanism="pld", unit="expert",
+                analysis="sparse-vector stable-prefix release, (2 eps', beta) per run (Sharma et al. 2024, spec threshold)",
+            )
         ledger.record(RELEASE_STAGE, budget.event, runs)
 
     episodes = _choose_trajectories(dataset, m, runs, generator)

@@ -228,14 +228,16 @@ def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_di
             raise ValidationError("epsilons", "Theorem 5 is proven for one-dimensional states; run a sweep instead")
         calibration = _calibrate(config, spec)
         sigma, beta = calibration.sigma, calibration.beta
-        ledger.stage("fnq", mechanism="pld", unit="reward", delta=calibration.delta_total)
+        ledger.stage("fnq", mechanism="pld", unit="reward", delta=calibration.delta_total,
+                     analysis="functional noise, Wang & Hegde 2019 Theorem 5")
         ledger.record("fnq", calibration.event())
         privacy = calibration.to_dict()
     elif spec.method == "input_perturbation":
         n_rewards = config.samples if config.dataset is None else _dataset(config).n_transitions
         std = reward_perturbation_std(spec.epsilon, config.delta, n_rewards)
         reward_transform = GaussianRewardNoise(std, noise)
-        ledger.stage("rewards", mechanism="pld", unit="reward", delta=config.delta)
+        ledger.stage("rewards", mechanism="pld", unit="reward", delta=config.delta,
+                     analysis="Gaussian input perturbation of every reward")
         # n Gaussian releases of sensitivity 1 and std s are exactly one of sensitivity sqrt(n): multiplier s/sqrt(n).
         ledger.record("rewards", PoissonGaussianEvent(std / math.sqrt(n_rewards), 1.0))
         privacy = {"reward_noise_std": std, "n_rewards": n_rewards, "unit": "reward",

@@ -38,7 +38,13 @@ from dporl.privacy.accountants import (
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
-PRIVACY_UNITS = ("expert", "trajectory", "transition", "reward")
+# What one privacy unit is: the neighbouring datasets each guarantee is about.
+UNIT_MEANINGS = {
+    "expert": "one expert with all its trajectories",
+    "trajectory": "one trajectory",
+    "transition": "one transition",
+    "reward": "reward functions with sup |r - r'| <= 1 (every reward may change by up to 1)",
+}
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Stage:
     unit: str
     accountant: Accountant
     delta: float  # the delta epsilon is reported at (the budget's delta when there is one)
+    analysis: str  # what proved the events' guarantees, composed by the accountant
     # (event, how many more of it are already verified to fit); not saved: recomputed after a restore.
     headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
     grant: int = 1  # next headroom request size (doubles while requests succeed)
@@ -86,6 +93,13 @@ class PrivacyReport:
             options.append((*self.joint, "joint PLD over all stages' events"))
         return min(options, key=lambda option: option[0]) if options else None
 
+    @property
+    def neighbours(self) -> str:
+        """The neighbouring relation in words."""
+        if self.unit == "reward":  # every reward may move: no unit is added, removed or replaced
+            return f"neighbouring datasets: {UNIT_MEANINGS['reward']}"
+        return f"neighbouring datasets: {self.relation or ADD_REMOVE}, one unit = {UNIT_MEANINGS.get(self.unit, self.unit)}"
+
     def describe(self) -> str:
         lines = []
         for s in self.stages:
@@ -107,8 +121,7 @@ class PrivacyReport:
         else:
             lines.append(
                 f"GUARANTEE: ({guarantee[0]:.4g}, {guarantee[1]:g})-DP, privacy unit: {self.unit} "
-                f"(neighbouring datasets: {self.relation or ADD_REMOVE}, one unit = one {self.unit}); "
-                f"analysis: {guarantee[2]}"
+                f"({self.neighbours}); analysis: {guarantee[2]}"
             )
         lines.extend(f"note: {note}" for note in self.notes if guarantee is not None)
         return "\n".join(lines)
@@ -134,7 +147,7 @@ class PrivacyReport:
             "guarantee": (
                 None if guarantee is None else
                 {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit,
-                 "neighbouring": self.relation or ADD_REMOVE}
+                 "neighbouring": self.neighbours}
             ),
             "notes": list(self.notes),
             "text": self.describe(),
@@ -155,13 +168,18 @@ class PrivacyLedger:
         mechanism: Mechanism = "rdp",
         unit: str = "expert",
         delta: Optional[float] = None,
+        analysis: Optional[str] = None,
     ) -> Stage:
-        """Open a stage. ``delta`` (only without a budget) is the delta its epsilon is reported at."""
+        """Open a stage. ``delta`` (only without a budget) is the delta its epsilon is reported at.
+
+        ``analysis`` names what proved the recorded events' guarantees when the accountant only composes them
+        (e.g. a sparse-vector proof whose (eps, delta) runs the PLD composes); default: the accountant's name.
+        """
         if name in self.stages:
             raise ValidationError("ledger.stage", f"stage {name!r} already exists")
         check_mechanism(mechanism, f"ledger.{name}.mechanism")
-        if unit not in PRIVACY_UNITS:
-            raise ValidationError(f"ledger.{name}.unit", f"must be one of {list(PRIVACY_UNITS)}, got {unit!r}")
+        if unit not in UNIT_MEANINGS:
+            raise ValidationError(f"ledger.{name}.unit", f"must be one of {list(UNIT_MEANINGS)}, got {unit!r}")
         if budget is not None:
             if len(budget) != 2:
                 raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
@@ -174,7 +192,9 @@ class PrivacyLedger:
             raise ValidationError(f"ledger.{name}.delta", "a stage without a budget needs the delta to report at")
         else:
             delta = check_probability(f"ledger.{name}.delta", delta, allow_zero=False, allow_one=False)
-        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta))
+        composed_by = analysis_name(mechanism)
+        label = composed_by if analysis is None else f"{analysis}; composed by {composed_by}"
+        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label)
         self.stages[name] = stage
         return stage
 
@@ -228,7 +248,7 @@ class PrivacyLedger:
             StageReport(
                 s.name,
                 s.unit,
-                analysis_name(s.mechanism),
+                s.analysis,
                 self.spent(s.name),
                 s.delta,
                 s.budget,
@@ -283,6 +303,7 @@ class PrivacyLedger:
                     "mechanism": s.mechanism,
                     "unit": s.unit,
                     "delta": s.delta,
+                    "analysis": s.analysis,
                     "accountant": s.accountant.state_dict(),
                 }
                 for s in self.stages.values()
@@ -298,6 +319,7 @@ class PrivacyLedger:
                 entry["name"], budget=budget, mechanism=entry["mechanism"], unit=entry["unit"],
                 delta=None if budget else entry["delta"],
             )
+            s.analysis = entry["analysis"]
             s.accountant.load_state_dict(entry["accountant"])
             stages[s.name] = s
         self.stages = stages
