@@ -182,7 +182,9 @@ def test_ledger_receives_T_events_of_two_eps_prime_beta(world):
     experts, data = world
     ledger = RecordingLedger()
     out = release(data, experts, epsilon=8.0, delta=2e-6, trajectories=7, ledger=ledger)
-    assert ledger.stages[RELEASE_STAGE] == {"budget": (8.0, 2e-6), "mechanism": "pld", "unit": "expert"}
+    stage = ledger.stages[RELEASE_STAGE]
+    assert stage.pop("analysis").startswith("sparse-vector stable-prefix release")
+    assert stage == {"budget": (8.0, 2e-6), "mechanism": "pld", "unit": "expert"}
     assert ledger.records == [(RELEASE_STAGE, ApproxDPEvent(2 * out.budget.epsilon_prime, out.budget.beta), 7)]
     assert out.budget.noise_scale == pytest.approx(2 / out.budget.epsilon_prime)  # monotone-query scale
 
