@@ -152,3 +152,32 @@ def test_configs_reject_unknown_keys_and_bad_values():
         DPConfig(epsilon=None)
     with pytest.raises(ValidationError, match="optimizer.lr"):
         from_dict(TrainerConfig, {"optimizer": {"lr": -1.0}})
+
+
+class _RecordingSource:
+    """Wraps a Poisson source and remembers which rows each step sampled."""
+
+    def __init__(self, source):
+        self.source, self.sampled = source, []
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def sample(self, generator):
+        batch = self.source.sample(generator)
+        self.sampled.append(batch.data["x"].sum().item())
+        return batch
+
+
+def test_private_sampling_is_secret_unless_a_noise_seed_asks_for_a_reproduction(tmp_path):
+    """Amplification by subsampling needs the sampled units to be unknown: the public trainer seed must not fix them."""
+
+    def sampled(run_dir, noise_seed):
+        source = _RecordingSource(_poisson_source())
+        trainer = _trainer(run_dir, LogisticRegression(), source=source, cap=5)
+        trainer.dp.noise_seed = noise_seed
+        trainer.fit()
+        return source.sampled
+
+    assert sampled(tmp_path / "a", None) != sampled(tmp_path / "b", None)  # same trainer.seed, fresh secret draws
+    assert sampled(tmp_path / "c", 7) == sampled(tmp_path / "d", 7)

@@ -18,13 +18,22 @@ import torch
 from dporl.utils.validation import check_positive
 
 
+def secret_generator(seed: int | None = None) -> torch.Generator:
+    """A generator for private sampling decisions (which units a Poisson step includes, which branch a mixture step
+    takes). Amplification by subsampling assumes nobody knows these draws, so the seed comes from the OS CSPRNG
+    unless one is given for an exact reproduction; a given seed must then be kept secret like a noise seed.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
 class NoiseSource:
     """Gaussian and Laplace draws from one torch generator (CPU, so results do not depend on the device)."""
 
     def __init__(self, seed: int | None = None):
         self.reproducible = seed is not None
-        self._generator = torch.Generator()
-        self._generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._generator = secret_generator(seed)
 
     def gaussian(self, shape: Sequence[int] | int, std: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         std = check_positive("noise.std", std, allow_zero=True)
@@ -46,3 +55,4 @@ class NoiseSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._generator.set_state(state["generator"])
         self.reproducible = bool(state["reproducible"])
+

@@ -35,7 +35,8 @@ class DPConfig:
     max_grad_norm: float = 1.0
     accountant: Literal["rdp", "prv", "pld"] = "rdp"
     clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
-    # None draws a secret seed: anyone who knows the noise seed can subtract the noise.
+    # None draws secret seeds for the noise and for the private sampling: anyone who knows the noise seed can
+    # subtract the noise, and anyone who knows which units a step sampled voids the subsampling amplification.
     noise_seed: Optional[int] = None
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
 from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
-from dporl.privacy.noise import NoiseSource
+from dporl.privacy.noise import NoiseSource, secret_generator
 from dporl.train.checkpoint import load_checkpoint, read_journal, save_checkpoint, write_journal
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.utils.io import atomic_write_json
@@ -159,7 +159,11 @@ class Trainer:
         params = self._trainable()
         optimizer = build_optimizer(params, config.optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config.optimizer))
-        generator = make_generator(config.seed + 1)
+        # A private run's sampling is part of its mechanism: secret, unless noise_seed asks for a reproduction.
+        if self.dp is None:
+            generator = make_generator(config.seed + 1)
+        else:
+            generator = secret_generator(None if self.dp.noise_seed is None else self.dp.noise_seed + 1)
         sigma, event, total_budget_steps = self._plan_privacy()
         noise = NoiseSource(self.dp.noise_seed if self.dp else None)
         engine = None
