@@ -665,7 +665,8 @@ def run_output_perturbation(
                          return_bound=bound, lam=lam, noise=noise)
     ledger = PrivacyLedger()
     # An (epsilon, delta) release has no RDP curve; PLD reproduces its epsilon (to float rounding).
-    ledger.stage(method, mechanism="pld", unit="trajectory", delta=config.delta)
+    ledger.stage(method, mechanism="pld", unit="trajectory", delta=config.delta,
+                 analysis="smooth-sensitivity Gaussian output perturbation (Balle et al. 2016)")
     ledger.record(method, release.event())
     return {**problem.metrics(release.theta), "epsilon": ledger.spent(method)}
 
