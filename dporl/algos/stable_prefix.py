@@ -205,7 +205,7 @@ def release_stable_prefixes(
     noisy_threshold = budget.threshold + noise.laplace((runs,), budget.noise_scale)
     states_evaluated = 0
     if processed.any():
-        lengths[processed], states_evaluated = _stable_lengths(
+        lengths[processed], states_evaluated = stable_prefix_lengths(
             dataset, expert_set, episodes[processed], noisy_threshold[torch.as_tensor(processed)], budget, noise, config
         )
 
@@ -265,7 +265,7 @@ def _choose_trajectories(dataset: TrajectoryDataset, m: int, runs: int, generato
     return episodes
 
 
-def _stable_lengths(
+def stable_prefix_lengths(
     dataset: TrajectoryDataset,
     expert_set: ExpertSet,
     episodes: np.ndarray,

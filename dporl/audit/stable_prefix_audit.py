@@ -10,7 +10,7 @@ prefers action 1, an action every other expert takes only with probability p_min
 released prefix. Observations are a constant public state, so a trajectory is its action sequence.
 
 Trials are vectorised: n independent runs are n runs of the release's own lockstep query loop
-(``dporl.algos.stable_prefix._stable_lengths``: stability queries through the real ``ExpertSet``, Laplace noise from
+(``dporl.algos.stable_prefix.stable_prefix_lengths``: stability queries through the real ``ExpertSet``, Laplace noise from
 ``NoiseSource``), each on its own fresh rollout, with one threshold draw per run exactly as the release does.
 
 Power: ``threshold_factor`` scales the calibrated threshold G = G0 / p_min + t_beta (0: no threshold at all) and
@@ -81,7 +81,7 @@ def stable_prefix_audit(
 ) -> Experiment:
     """One run of a release whose stage budget (epsilon, delta) covers ``trajectories`` runs, on D = canary +
     n_experts vs D' = the n_experts; the claim audited is the per-run (2 eps', beta)."""
-    from dporl.algos.stable_prefix import StablePrefixConfig, _stable_lengths
+    from dporl.algos.stable_prefix import StablePrefixConfig, stable_prefix_lengths
     from dporl.privacy.noise import NoiseSource
     from dporl.privacy.sparse_vector import stable_prefix_budget
 
@@ -104,7 +104,7 @@ def stable_prefix_audit(
         dataset = _rollouts(expert_set, n, horizon, make_generator(seed))
         noise = NoiseSource(seed + 1)
         threshold = used.threshold + noise.laplace((n,), used.noise_scale)
-        lengths, _ = _stable_lengths(dataset, expert_set, np.arange(n), threshold, used, noise, config)
+        lengths, _ = stable_prefix_lengths(dataset, expert_set, np.arange(n), threshold, used, noise, config)
         actions = dataset.actions.reshape(n, horizon)
         released = np.arange(horizon)[None, :] < lengths[:, None]
         return ((actions == 1) & released).sum(1).astype(np.float64)
