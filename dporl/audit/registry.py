@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, gpope_paper_audit, mixture_audit
 from dporl.audit.experiment import Experiment
+from dporl.audit.functional_audits import functional_noise_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
 from dporl.audit.stable_prefix_audit import stable_prefix_audit
@@ -34,6 +35,7 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "dp_lsl": _dp_lsl,
     "reward_perturbation": reward_perturbation_audit,
     "stable_prefix": stable_prefix_audit,
+    "functional_noise": functional_noise_audit,
 }
 
 # Settings that break each mechanism on purpose (the power check): the audit must then exceed the claim.
@@ -50,6 +52,7 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "dp_lsl": {"noise_factor": 0.01},
     "reward_perturbation": {"noise_factor": 0.1},
     "stable_prefix": {"threshold_factor": 0.0, "noise_factor": 1e-3},
+    "functional_noise": {"noise_factor": 0.1},
 }
 
 
