@@ -29,10 +29,13 @@ sigma^2 (1 - e^{-2 beta d})), and with the same standard normals it returns the 
 path is one Python object per path, so ``sampler="library"`` (one path per trial and update, through
 ``OrnsteinUhlenbeckPath`` itself) is offered for end-to-end checks at small trial counts.
 
-Not covered: whether a change of rewards really moves the trained Q-network by at most sqrt(C) in H (the proof's
-step |Q - Q0| <= 2 alpha L (k + 1) / B, Lemma 8's band, the assumed Lipschitz bound L); the sharing of one path
-across the T / (J B) updates of a reset window (the proof composes independent draws); the tail term of delta
-(the canary's shift holds with certainty here, so the audit is run at the guarantee's total delta, a weaker test).
+Not covered by the distinguishing experiment: whether a change of rewards really moves the trained Q-network by at
+most sqrt(C) in H (the proof's step |Q - Q0| <= 2 alpha L (k + 1) / B, Lemma 8's band, the assumed Lipschitz bound
+L); the sharing of one path across the T / (J B) updates of a reset window (the proof composes independent draws);
+the tail term of delta (the canary's shift holds with certainty here, so the audit runs at the guarantee's total
+delta, a weaker test). ``update_shift_norms`` probes the first of these on the real learner: it takes one
+Algorithm-1 SGD step on rewards r and r + 1 from the same parameters and noise paths and measures the Lemma 6 norm
+of Q_D - Q_D' (an empirical check of the premise, not a bound: a value above sqrt(C) shows the premise fails).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import ANALYSIS, UNIT, smallest_tail_parameter
 from dporl.privacy.gp_noise import OrnsteinUhlenbeckPath, laplace_kernel
 from dporl.privacy.noise import NoiseSource
+from dporl.privacy.samplers import Batch
 from dporl.utils.validation import ValidationError, check_positive
 
 
@@ -67,6 +71,41 @@ def worst_case_shift(points: torch.Tensor, beta: float, rkhs_norm: float) -> tor
     gram = laplace_kernel(points.unsqueeze(1), points.unsqueeze(1), 1.0, beta)
     ones = torch.ones(points.numel(), dtype=torch.float64)
     return rkhs_norm * (gram @ ones) / torch.sqrt(ones @ gram @ ones)
+
+
+def lemma6_norm(values: torch.Tensor, grid: torch.Tensor, beta: float) -> torch.Tensor:
+    """||f||_H for f sampled on a fine uniform ``grid`` of [0, 1] (values [..., n_grid]), Lemma 6's inner product:
+    ||f||^2 = (f(0)^2 + f(1)^2) / 2 + 1/(2 beta) int_0^1 f'^2 + beta^2 f^2 (f' by finite differences, trapezoid rule)."""
+    values = values.to(torch.float64)
+    derivative = torch.gradient(values, spacing=(grid,), dim=-1)[0]
+    integral = torch.trapezoid(derivative**2 + beta**2 * values**2, grid, dim=-1)
+    return torch.sqrt((values[..., 0] ** 2 + values[..., -1] ** 2) / 2 + integral / (2 * beta))
+
+
+def update_shift_norms(
+    algorithm, batch: Batch, learning_rate: float, beta: float, grid_size: int = 100_001
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||Q_D - Q_D'||_H, sup |Q_D - Q_D'|) per action after one plain-SGD step of ``algorithm`` (a 1-D-state
+    ``FunctionalNoiseQLearning``) on ``batch`` with its rewards (D) and the rewards + 1 (D'), from the same parameters
+    and noise-path state (deep copies, so both steps draw the same path values). The norm is in scaled states."""
+    import copy
+
+    if algorithm.obs_dim != 1:
+        raise ValidationError("algorithm.obs_dim", f"Lemma 6's norm is one-dimensional, got {algorithm.obs_dim}")
+    grid = torch.linspace(0.0, 1.0, grid_size, dtype=torch.float64)
+    states = algorithm.noise.state_low + grid.unsqueeze(1) * algorithm.noise.state_scale  # raw states [n_grid, 1]
+    outputs = []
+    for shift in (0.0, 1.0):
+        learner = copy.deepcopy(algorithm)
+        data = dict(batch.data, rewards=batch.data["rewards"] + shift)
+        learner.zero_grad()
+        learner.row_losses(Batch(data, batch.unit_index, batch.n_units, batch.private)).mean().backward()
+        with torch.no_grad():
+            for parameter in learner.q_network.parameters():
+                parameter -= learning_rate * parameter.grad
+            outputs.append(learner.q_network(states.float()).double().T)  # [n_actions, n_grid]
+    difference = outputs[0] - outputs[1]
+    return lemma6_norm(difference, grid, beta), difference.abs().amax(dim=-1)
 
 
 def functional_noise_audit(
