@@ -73,8 +73,8 @@ def test_update_shift_probe_measures_the_real_learners_step():
     learner = FunctionalNoiseQLearning(1, 2, FNQConfig(sigma=0.5, beta=3.0), NoiseSource(0))
     generator = torch.Generator().manual_seed(0)
     obs = torch.rand(16, 1, generator=generator)
-    data = dict(obs=obs, actions=torch.randint(0, 2, (16,), generator=generator), rewards=torch.rand(16, generator=generator),
-                next_obs=obs.flip(0), terminated=torch.zeros(16))
+    actions, rewards = torch.randint(0, 2, (16,), generator=generator), torch.rand(16, generator=generator)
+    data = dict(obs=obs, actions=actions, rewards=rewards, next_obs=obs.flip(0), terminated=torch.zeros(16))
     batch = Batch(data, torch.arange(16), 16, True)
     zero_norm, zero_sup = update_shift_norms(learner, batch, 0.0, 3.0, grid_size=2_001)
     assert float(zero_norm.max()) == 0.0 and float(zero_sup.max()) == 0.0
@@ -105,4 +105,6 @@ def test_bad_settings_name_their_field():
         functional_noise_audit(n_points=0)
     with pytest.raises(ValidationError, match="noise_factor"):
         build_audit("functional_noise", {"noise_factor": -1.0})
+    with pytest.raises(ValidationError, match="delta"):
+        build_audit("functional_noise", {"delta": "abc"})  # command-line settings arrive as strings
     assert np.isfinite(functional_noise_audit(n_points=1).claimed_epsilon)

@@ -52,7 +52,7 @@ from dporl.privacy.functional_calibration import ANALYSIS, UNIT, smallest_tail_p
 from dporl.privacy.gp_noise import OrnsteinUhlenbeckPath, laplace_kernel
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.samplers import Batch
-from dporl.utils.validation import ValidationError, check_positive
+from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
 def ou_values(points: torch.Tensor, sigma: float, beta: float, normals: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,8 @@ def worst_case_shift(points: torch.Tensor, beta: float, rkhs_norm: float) -> tor
 
 def lemma6_norm(values: torch.Tensor, grid: torch.Tensor, beta: float) -> torch.Tensor:
     """||f||_H for f sampled on a fine uniform ``grid`` of [0, 1] (values [..., n_grid]), Lemma 6's inner product:
-    ||f||^2 = (f(0)^2 + f(1)^2) / 2 + 1/(2 beta) int_0^1 f'^2 + beta^2 f^2 (f' by finite differences, trapezoid rule)."""
+    ||f||^2 = (f(0)^2 + f(1)^2) / 2 + 1/(2 beta) int_0^1 f'^2 + beta^2 f^2 (f' by finite differences, trapezoid
+    rule)."""
     values = values.to(torch.float64)
     derivative = torch.gradient(values, spacing=(grid,), dim=-1)[0]
     integral = torch.trapezoid(derivative**2 + beta**2 * values**2, grid, dim=-1)
@@ -125,6 +126,11 @@ def functional_noise_audit(
     ``delta`` is the guarantee's total delta (mechanism + path tails, split as ``smallest_tail_parameter`` does);
     ``noise_factor < 1`` shrinks sigma below the calibration (the power check).
     """
+    # Numbers as numbers (command-line settings may arrive as strings): the calibration uses them as given.
+    epsilon = check_positive("epsilon", epsilon)
+    delta = check_probability("delta", delta, allow_zero=False, allow_one=False)
+    learning_rate = check_positive("learning_rate", learning_rate)
+    lipschitz = check_positive("lipschitz", lipschitz)
     check_positive("noise_factor", noise_factor)
     if int(n_points) != n_points or n_points < 1:
         raise ValidationError("n_points", f"must be an integer >= 1, got {n_points}")
