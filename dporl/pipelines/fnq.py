@@ -229,7 +229,9 @@ def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_di
         calibration = _calibrate(config, spec)
         sigma, beta = calibration.sigma, calibration.beta
         ledger.stage("fnq", mechanism="pld", unit="reward", delta=calibration.delta_total,
-                     analysis="functional noise, Wang & Hegde 2019 Theorem 5")
+                     analysis="functional noise, Wang & Hegde 2019 Theorem 5, CONDITIONAL on the Q-network's "
+                     "Lipschitz bound L, which training does not enforce (dporl.audit.functional_audits."
+                     "update_shift_norms finds it violated on the line configs)")
         ledger.record("fnq", calibration.event())
         privacy = calibration.to_dict()
     elif spec.method == "input_perturbation":
