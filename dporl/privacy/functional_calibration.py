@@ -191,8 +191,8 @@ def smallest_tail_parameter(
     1e-4 as 5e-5 + 5e-5). With v linear in k, f(k) = 2k - 8.68 sqrt(beta(k)) sigma_min(k) is convex and
     negative at k = 0, so {k : f(k) >= m} is a half-line: doubling then bisection finds its first integer.
     """
-    check_probability("fnq.delta_total", delta_total, allow_zero=False, allow_one=False)
-    check_probability("fnq.mechanism_share", mechanism_share, allow_zero=False, allow_one=False)
+    delta_total = check_probability("fnq.delta_total", delta_total, allow_zero=False, allow_one=False)
+    mechanism_share = check_probability("fnq.mechanism_share", mechanism_share, allow_zero=False, allow_one=False)
     delta = delta_total * mechanism_share
 
     def fits(k: int) -> Optional[FunctionalNoiseCalibration]:
