@@ -38,6 +38,10 @@ class CQLConfig:
     target: Literal["dqn", "double_dqn"] = "dqn"
     target_update_every: int = 500  # hard copy every this many steps, unless tau is set
     tau: Optional[float] = None  # Polyak averaging factor per step (soft updates)
+    # Rewards are divided by this public constant before the TD target, so that Q errors sit in the Huber loss's
+    # quadratic range (HIV rewards are ~1e5 per step; unscaled, every TD error is in the linear range). A public
+    # constant: it uses no data, so it costs no privacy. (alpha weighs the conservative term in scaled units.)
+    reward_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_probability("cql.gamma", self.gamma)
@@ -48,6 +52,7 @@ class CQLConfig:
             raise ValidationError("cql.target_update_every", f"must be >= 1, got {self.target_update_every}")
         if self.tau is not None:
             check_probability("cql.tau", self.tau, allow_zero=False)
+        check_positive("cql.reward_scale", self.reward_scale)
 
 
 def mlp(in_dim: int, hidden_sizes: list[int], out_dim: int) -> nn.Sequential:
@@ -96,7 +101,7 @@ class DiscreteCQL(nn.Module):
             else:
                 next_value = target_q.max(dim=1).values
             not_done = 1.0 - data["terminated"].float()
-            y = data["rewards"].float() + self.config.gamma * not_done * next_value
+            y = data["rewards"].float() / self.config.reward_scale + self.config.gamma * not_done * next_value
         if self.config.td_loss == "huber":
             td = F.smooth_l1_loss(q_taken, y, reduction="none")
         else:
