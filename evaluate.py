@@ -8,11 +8,10 @@ TensorBoard under RUN/eval and to a JSON summary beside the checkpoint's run dir
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from dporl.pipelines import get_pipeline
+from dporl.pipelines import get_pipeline, run_cli
 from dporl.train.checkpoint import load_checkpoint
 from dporl.utils.validation import ValidationError
 
@@ -24,18 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--out", default=None, help="directory for eval outputs (default: the run directory)")
     args = parser.parse_args(argv)
-    try:
+
+    def evaluate() -> dict:
         payload = load_checkpoint(args.checkpoint)
         pipeline = get_pipeline(payload["pipeline"])
         if pipeline.evaluate is None:
             raise ValidationError("checkpoint", f"pipeline {pipeline.name!r} has no evaluator")
         out_dir = Path(args.out) if args.out else Path(args.checkpoint).resolve().parent.parent
-        metrics = pipeline.evaluate(payload, episodes=args.episodes, seed=args.seed, out_dir=out_dir)
-    except ValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(metrics, indent=2, default=str))
-    return 0
+        return pipeline.evaluate(payload, episodes=args.episodes, seed=args.seed, out_dir=out_dir)
+
+    return run_cli(evaluate)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,10 @@ Overrides use dotted keys (``dp.epsilon=5 trainer.max_steps=2000``); values are 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from dporl.pipelines import get_pipeline, known_pipelines
+from dporl.pipelines import get_pipeline, known_pipelines, run_cli
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
-from dporl.utils.validation import ValidationError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,16 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML file naming a pipeline: " + ", ".join(known_pipelines()))
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args(argv)
-    try:
+
+    def train() -> dict:
         data = apply_overrides(load_yaml(args.config), args.overrides)
         pipeline = get_pipeline(data.get("pipeline"))
-        config = from_dict(pipeline.config_cls, data)
-        summary = pipeline.run(config)
-    except ValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2, default=str))
-    return 0
+        return pipeline.run(from_dict(pipeline.config_cls, data))
+
+    return run_cli(train)
 
 
 if __name__ == "__main__":

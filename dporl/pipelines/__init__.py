@@ -6,6 +6,8 @@ A YAML config names its pipeline (``pipeline: expert_cql``); the rest of the fil
 from __future__ import annotations
 
 import importlib
+import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -45,3 +47,15 @@ def get_pipeline(name: Any) -> Pipeline:
 
 def known_pipelines() -> list[str]:
     return sorted(_MODULES)
+
+
+def run_cli(work: Callable[[], Any]) -> int:
+    """A command line's outcome: ``work()``'s result as JSON on stdout (exit 0), or the bad input, named by its
+    field, on stderr (exit 2)."""
+    try:
+        result = work()
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, default=str))
+    return 0

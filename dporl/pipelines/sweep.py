@@ -24,7 +24,7 @@ from typing import Any, Optional, get_args
 
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, register
+from dporl.pipelines import Pipeline, register, run_cli
 from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
 from dporl.utils.config import apply_overrides, from_dict, load_yaml, to_dict
 from dporl.utils.io import atomic_write_text
@@ -208,13 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    try:
-        summary = run(from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides)))
-    except ValidationError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2, default=str))
-    return 0
+    return run_cli(lambda: run(from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides))))
 
 
 if __name__ == "__main__":
