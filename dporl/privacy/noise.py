@@ -10,11 +10,11 @@ that also resist floating-point attacks on the sampled values.
 
 from __future__ import annotations
 
-import secrets
 from typing import Any, Sequence
 
 import torch
 
+from dporl.privacy.randomness import SecretRoot
 from dporl.utils.validation import check_positive
 
 
@@ -22,18 +22,25 @@ def secret_generator(seed: int | None = None) -> torch.Generator:
     """A generator for private sampling decisions (which units a Poisson step includes, which branch a mixture step
     takes). Amplification by subsampling assumes nobody knows these draws, so the seed comes from the OS CSPRNG
     unless one is given for an exact reproduction; a given seed must then be kept secret like a noise seed.
+    The whole generator state is derived from the seed (``dporl.privacy.randomness``), never its low 32 bits.
     """
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return generator
+    return SecretRoot(seed).torch_generator("sampler")
 
 
 class NoiseSource:
     """Gaussian and Laplace draws from one torch generator (CPU, so results do not depend on the device)."""
 
-    def __init__(self, seed: int | None = None):
-        self.reproducible = seed is not None
-        self._generator = secret_generator(seed)
+    def __init__(
+        self, seed: int | None = None, *, generator: torch.Generator | None = None, reproducible: bool | None = None
+    ):
+        if generator is not None:
+            if seed is not None:
+                raise ValueError("give a seed or a generator, not both")
+            self._generator = generator
+            self.reproducible = bool(reproducible)
+        else:
+            self._generator = SecretRoot(seed).torch_generator("noise")
+            self.reproducible = seed is not None
 
     def gaussian(self, shape: Sequence[int] | int, std: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         std = check_positive("noise.std", std, allow_zero=True)
