@@ -231,7 +231,7 @@ def test_private_gpope_ledger_matches_the_accountant(tmp_path, mode):
     trainer, ledger = _trainer(module, source, tmp_path, steps=40, dp=dp, lr=0.1, ledger=ledger)
     result = trainer.fit()
     assert result.steps == 40
-    assert ledger.stages["train"].unit == "trajectory"
+    assert ledger.stages["train"].unit.name == "trajectory"
     assert ledger.spent("train") == pytest.approx(epsilon_for([(event, 40)], 1e-5, "rdp"), rel=1e-12)
     assert torch.isfinite(module.theta).all() and module.theta.abs().sum() > 0
 

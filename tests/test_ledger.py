@@ -69,7 +69,7 @@ def test_single_stage_guarantee_is_the_stage():
     ledger.record("train", TRAIN, 100)
     report = ledger.report()
     assert report.guarantee[:2] == (ledger.spent("train"), 1e-5)
-    assert "RDP" in report.guarantee[2] and report.unit == "trajectory"
+    assert "RDP" in report.guarantee[2] and report.unit.name == "trajectory"
 
 
 def test_different_units_or_relations_are_never_combined():
@@ -141,3 +141,54 @@ def test_report_names_the_proof_and_what_a_unit_is_and_restores_them():
     restored = PrivacyLedger()
     restored.load_state_dict(ledger.state_dict())
     assert restored.report().describe() == text
+
+
+def test_paper_figures_are_printed_but_never_the_guarantee():
+    ledger = _two_stage_ledger()
+    ledger.paper_claim("training stage at rate p*q", 0.44, 5e-6, "Sharma et al. 2024, Alg. 3; the branch is observable")
+    report = ledger.report()
+    text = report.describe()
+    assert "the paper's figure, NOT a guarantee: training stage at rate p*q: eps=0.44" in text
+    assert report.guarantee is not None and report.guarantee[0] != 0.44  # the guarantee stays the ledger's own
+    payload = report.to_dict()
+    assert payload["paper_figures_NOT_guarantees"][0]["epsilon"] == 0.44
+    restored = PrivacyLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.report().describe() == text
+
+
+def test_a_void_run_prints_no_guarantee_line_and_survives_a_restore():
+    ledger = _two_stage_ledger()
+    ledger.void("the release published logged prefixes (the paper's mechanism)")
+    report = ledger.report()
+    assert report.guarantee is None and report.to_dict()["guarantee"] is None
+    assert "GUARANTEE:" not in report.describe().replace("NO GUARANTEE:", "")
+    assert "NO GUARANTEE: the release published logged prefixes" in report.describe()
+    restored = PrivacyLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.report().guarantee is None
+    with pytest.raises(ValidationError, match="ledger.void"):
+        ledger.void("")
+
+
+def test_units_are_types_and_the_report_names_the_chosen_column():
+    from dporl.privacy.units import REWARD, Relation, grouped_by
+
+    ledger = PrivacyLedger()
+    clinician = grouped_by("clinician_id")
+    ledger.stage("train", budget=(1.0, 1e-5), mechanism="rdp", unit=clinician)
+    ledger.record("train", PoissonGaussianEvent(2.0, 0.01), 10)
+    payload = ledger.report().to_dict()["guarantee"]
+    assert payload["unit"] == "clinician_id" and payload["unit_column"] == "clinician_id"
+    assert "one value of column 'clinician_id'" in payload["neighbouring"]
+    restored = PrivacyLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.stages["train"].unit == clinician
+
+    rewards = PrivacyLedger()
+    rewards.stage("train", budget=(5.0, 1e-5), mechanism="rdp", unit=REWARD)
+    rewards.record("train", PoissonGaussianEvent(5.0, 1.0), 3)
+    report = rewards.report()
+    assert report.relation is Relation.BOUNDED_CHANGE and "sup |r - r'| <= 1" in report.neighbours
+    with pytest.raises(ValidationError, match="privacy_unit"):
+        PrivacyLedger().stage("x", budget=(1.0, 1e-5), unit="clinician")  # a bare unknown string is not a unit

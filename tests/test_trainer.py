@@ -75,7 +75,7 @@ def test_budget_driven_stopping_takes_exactly_max_steps(tmp_path):
     result = trainer.fit()
     assert result.steps == result.budget_steps == allowed
     stage = trainer.ledger.stages["train"]
-    assert len(stage.accountant) == allowed and stage.unit == "transition"
+    assert len(stage.accountant) == allowed and stage.unit.name == "transition"
     assert trainer.ledger.spent("train") <= 1.5
     guarantee = result.privacy["guarantee"]
     assert guarantee["unit"] == "transition" and "RDP" in guarantee["analysis"] and guarantee["epsilon"] <= 1.5

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dporl.privacy.units import EXPERT, PrivacyUnit, as_unit
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
@@ -67,14 +68,14 @@ def mlp(in_dim: int, hidden_sizes: list[int], out_dim: int) -> nn.Sequential:
 class DiscreteCQL(nn.Module):
     """Q-network + target network; ``row_losses`` reads batch keys obs, actions, rewards, next_obs, terminated."""
 
-    def __init__(self, obs_dim: int, n_actions: int, config: CQLConfig, privacy_unit: str = "expert"):
+    def __init__(self, obs_dim: int, n_actions: int, config: CQLConfig, privacy_unit: PrivacyUnit | str = EXPERT):
         super().__init__()
         if obs_dim < 1 or n_actions < 2:
             raise ValidationError("cql", f"need obs_dim >= 1 and n_actions >= 2, got {obs_dim}, {n_actions}")
         self.config = config
         self.obs_dim = obs_dim
         self.n_actions = n_actions
-        self.privacy_unit = privacy_unit
+        self.privacy_unit = as_unit(privacy_unit)
         self.q_network = mlp(obs_dim, config.hidden_sizes, n_actions)
         self.target_network = copy.deepcopy(self.q_network)
         self.target_network.requires_grad_(False)

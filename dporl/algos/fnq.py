@@ -34,6 +34,7 @@ from dporl.algos.cql import mlp
 from dporl.privacy.gp_noise import FunctionalNoise
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.samplers import Batch, UniformBatchSource
+from dporl.privacy.units import REWARD
 from dporl.utils.io import atomic_torch_save
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -83,7 +84,7 @@ class NoisyQFunction(nn.Module):
 class FunctionalNoiseQLearning(nn.Module):
     """Algorithm 1's learner: ``row_losses`` on transitions, path resets in ``on_step_end``."""
 
-    privacy_unit = "reward"
+    privacy_unit = REWARD
 
     def __init__(self, obs_dim: int, n_actions: int, config: FNQConfig, noise: Optional[NoiseSource] = None):
         super().__init__()

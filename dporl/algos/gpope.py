@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dporl.algos.lstd import FeatureMap, TargetPolicy, TDTerms, td_terms
+from dporl.privacy.units import TRAJECTORY
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
@@ -47,7 +48,7 @@ class GPOPE(nn.Module):
     hooks (the book-keeping tape only understands nn.Linear and refuses the bare parameters theta and w).
     """
 
-    privacy_unit = "trajectory"
+    privacy_unit = TRAJECTORY
 
     def __init__(
         self, features: FeatureMap, config: GPOPEConfig | None = None, target_policy: Optional[TargetPolicy] = None

@@ -43,6 +43,7 @@ from dporl.privacy.events import (
     event_to_dict,
 )
 from dporl.utils.validation import ValidationError, check_probability
+from dporl.privacy.units import Relation
 
 Mechanism = Literal["rdp", "prv", "pld"]
 MECHANISMS: tuple[str, ...] = ("rdp", "prv", "pld")
@@ -74,10 +75,10 @@ ANALYSIS_NAMES = {
 }
 
 # Which neighbouring relation an event's analysis uses; histories never mix two relations.
-ADD_REMOVE, REPLACE_ONE = "add/remove one unit", "replace one unit"
+ADD_REMOVE, REPLACE_ONE = Relation.ADD_REMOVE, Relation.REPLACE_ONE
 
 
-def adjacency(event: PrivacyEvent) -> str:
+def adjacency(event: PrivacyEvent) -> Relation:
     replace_one = isinstance(event, SampledWithoutReplacementGaussianEvent) or (
         isinstance(event, ApproxDPEvent) and event.replace_one
     )

@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 from dporl.privacy.accountants import (
     Accountant,
-    ADD_REMOVE,
     Mechanism,
     adjacency,
     analysis_name,
@@ -36,15 +35,29 @@ from dporl.privacy.accountants import (
     within_budget,
 )
 from dporl.privacy.events import PrivacyEvent, event_to_dict
+from dporl.privacy.units import PrivacyUnit, Relation, as_unit
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
-# What one privacy unit is: the neighbouring datasets each guarantee is about.
-UNIT_MEANINGS = {
-    "expert": "one expert with all its trajectories",
-    "trajectory": "one trajectory",
-    "transition": "one transition",
-    "reward": "reward functions with sup |r - r'| <= 1 (every reward may change by up to 1)",
-}
+
+@dataclass(frozen=True)
+class PaperClaim:
+    """A published analysis's figure for something this run did, where that analysis does not cover what the run
+    releases (e.g. Algorithm 3's rate-p*q accounting, the logged-prefix release, Theorem 5 of the functional-noise
+    paper). Printed beside the report as "the paper's figure, NOT a guarantee"; never part of a guarantee."""
+
+    name: str
+    epsilon: float
+    delta: float
+    source: str  # which paper / theorem, and why it is not a guarantee here
+
+    def describe(self) -> str:
+        return (
+            f"the paper's figure, NOT a guarantee: {self.name}: eps={self.epsilon:.4g}, delta={self.delta:g} "
+            f"({self.source})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "epsilon": self.epsilon, "delta": self.delta, "source": self.source}
 
 
 @dataclass
@@ -52,7 +65,7 @@ class Stage:
     name: str
     budget: Optional[tuple[float, float]]  # (epsilon, delta) or None (no cap; report at `delta`)
     mechanism: str
-    unit: str
+    unit: PrivacyUnit
     accountant: Accountant
     delta: float  # the delta epsilon is reported at (the budget's delta when there is one)
     analysis: str  # what proved the events' guarantees, composed by the accountant
@@ -64,7 +77,7 @@ class Stage:
 @dataclass
 class StageReport:
     name: str
-    unit: str
+    unit: PrivacyUnit
     analysis: str
     epsilon: float
     delta: float
@@ -78,13 +91,17 @@ class PrivacyReport:
     basic: Optional[tuple[float, float]]  # (sum eps, sum delta) over stages; None if units differ or no stage
     joint: Optional[tuple[float, float]]  # joint PLD (eps, total delta); None if not analysable
     joint_note: str
-    unit: Optional[str]
-    relation: Optional[str]  # neighbouring relation every recorded event was analysed under
+    unit: Optional[PrivacyUnit]
+    relation: Optional[Relation]  # neighbouring relation every recorded event was analysed under
     notes: list[str] = field(default_factory=list)
+    paper_claims: list[PaperClaim] = field(default_factory=list)
+    void: Optional[str] = None  # why this run has no guarantee at all (e.g. a release no analysis covers)
 
     @property
     def guarantee(self) -> Optional[tuple[float, float, str]]:
-        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta."""
+        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta (None when void)."""
+        if self.void is not None:
+            return None
         options = []
         if self.basic is not None:
             single = len(self.stages) == 1
@@ -96,9 +113,11 @@ class PrivacyReport:
     @property
     def neighbours(self) -> str:
         """The neighbouring relation in words."""
-        if self.unit == "reward":  # every reward may move: no unit is added, removed or replaced
-            return f"neighbouring datasets: {UNIT_MEANINGS['reward']}"
-        return f"neighbouring datasets: {self.relation or ADD_REMOVE}, one unit = {UNIT_MEANINGS.get(self.unit, self.unit)}"
+        if self.unit is None:
+            return "neighbouring datasets: undefined (stages protect different units)"
+        if self.unit.bounded_change:  # every record may move: no unit is added, removed or replaced
+            return f"neighbouring datasets: {self.unit.meaning}"
+        return f"neighbouring datasets: {self.relation or Relation.ADD_REMOVE}, one unit = {self.unit.meaning}"
 
     def describe(self) -> str:
         lines = []
@@ -116,7 +135,9 @@ class PrivacyReport:
                 f"joint PLD: not computed ({self.joint_note})"
             )
         guarantee = self.guarantee
-        if guarantee is None:
+        if self.void is not None:
+            lines.append(f"NO GUARANTEE: {self.void}")
+        elif guarantee is None:
             lines.append("no combined guarantee: " + "; ".join(self.notes or ["no stage recorded"]))
         else:
             lines.append(
@@ -124,6 +145,7 @@ class PrivacyReport:
                 f"({self.neighbours}); analysis: {guarantee[2]}"
             )
         lines.extend(f"note: {note}" for note in self.notes if guarantee is not None)
+        lines.extend(claim.describe() for claim in self.paper_claims)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +154,8 @@ class PrivacyReport:
             "stages": [
                 {
                     "name": s.name,
-                    "unit": s.unit,
+                    "unit": s.unit.name,
+                    "unit_meaning": s.unit.meaning,
                     "analysis": s.analysis,
                     "epsilon": s.epsilon,
                     "delta": s.delta,
@@ -146,9 +169,12 @@ class PrivacyReport:
             "joint_note": self.joint_note,
             "guarantee": (
                 None if guarantee is None else
-                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit,
+                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit.name,
+                 "unit_column": self.unit.column, "relation": str(self.relation or Relation.ADD_REMOVE),
                  "neighbouring": self.neighbours}
             ),
+            "void": self.void,
+            "paper_figures_NOT_guarantees": [claim.to_dict() for claim in self.paper_claims],
             "notes": list(self.notes),
             "text": self.describe(),
         }
@@ -159,6 +185,22 @@ class PrivacyLedger:
 
     def __init__(self) -> None:
         self.stages: dict[str, Stage] = {}
+        self.paper_claims: list[PaperClaim] = []
+        self.void_reason: Optional[str] = None
+
+    def paper_claim(self, name: str, epsilon: float, delta: float, source: str) -> PaperClaim:
+        """Record a published analysis's figure that is NOT a guarantee for this run (see ``PaperClaim``)."""
+        if not source:
+            raise ValidationError("paper_claim.source", "say which paper's analysis this is and why it is not a guarantee")
+        claim = PaperClaim(str(name), float(epsilon), float(delta), str(source))
+        self.paper_claims.append(claim)
+        return claim
+
+    def void(self, reason: str) -> None:
+        """Mark the whole run as having NO guarantee (something it released is covered by no analysis)."""
+        if not reason:
+            raise ValidationError("ledger.void", "say why the run has no guarantee")
+        self.void_reason = reason if self.void_reason is None else f"{self.void_reason}; {reason}"
 
     def stage(
         self,
@@ -166,7 +208,7 @@ class PrivacyLedger:
         *,
         budget: Optional[tuple[float, float]] = None,
         mechanism: Mechanism = "rdp",
-        unit: str = "expert",
+        unit: PrivacyUnit | str = "expert",
         delta: Optional[float] = None,
         analysis: Optional[str] = None,
     ) -> Stage:
@@ -178,8 +220,7 @@ class PrivacyLedger:
         if name in self.stages:
             raise ValidationError("ledger.stage", f"stage {name!r} already exists")
         check_mechanism(mechanism, f"ledger.{name}.mechanism")
-        if unit not in UNIT_MEANINGS:
-            raise ValidationError(f"ledger.{name}.unit", f"must be one of {list(UNIT_MEANINGS)}, got {unit!r}")
+        unit = as_unit(unit)
         if budget is not None:
             if len(budget) != 2:
                 raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
@@ -257,14 +298,16 @@ class PrivacyLedger:
             for s in self.stages.values()
         ]
         notes: list[str] = []
-        units = sorted({s.unit for s in self.stages.values()})
+        units = list(dict.fromkeys(s.unit for s in self.stages.values()))
         unit = units[0] if len(units) == 1 else None
         relations = sorted(self._relations())
         basic = None
         if not stages:
             notes.append("no stage recorded")
         elif unit is None:
-            notes.append(f"stages protect different privacy units {units}: no single guarantee combines them")
+            notes.append(
+                f"stages protect different privacy units {[u.name for u in units]}: no single guarantee combines them"
+            )
         elif len(relations) > 1:
             notes.append(f"stages use different neighbouring relations {relations}: no single guarantee combines them")
         else:
@@ -272,11 +315,15 @@ class PrivacyLedger:
         joint, joint_note = None, ""
         if basic is not None and len(stages) > 1:
             joint, joint_note = self._joint(basic[1])
-        return PrivacyReport(stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes)
+        return PrivacyReport(
+            stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes,
+            list(self.paper_claims), self.void_reason,
+        )
 
-    def _relations(self) -> set[str]:
+    def _relations(self) -> set[Relation]:
+        """The neighbouring relations the recorded events were analysed under (bounded change for reward units)."""
         return {
-            adjacency(e)
+            Relation.BOUNDED_CHANGE if s.unit.bounded_change else adjacency(e)
             for s in self.stages.values()
             for e, c in s.accountant.history
             if c and not spends_nothing(e)
@@ -301,13 +348,15 @@ class PrivacyLedger:
                     "name": s.name,
                     "budget": list(s.budget) if s.budget else None,
                     "mechanism": s.mechanism,
-                    "unit": s.unit,
+                    "unit": s.unit.to_dict(),
                     "delta": s.delta,
                     "analysis": s.analysis,
                     "accountant": s.accountant.state_dict(),
                 }
                 for s in self.stages.values()
-            ]
+            ],
+            "paper_claims": [claim.to_dict() for claim in self.paper_claims],
+            "void": self.void_reason,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -316,10 +365,14 @@ class PrivacyLedger:
         for entry in state["stages"]:
             budget = tuple(entry["budget"]) if entry["budget"] is not None else None
             s = restored.stage(
-                entry["name"], budget=budget, mechanism=entry["mechanism"], unit=entry["unit"],
+                entry["name"], budget=budget, mechanism=entry["mechanism"], unit=PrivacyUnit.from_dict(entry["unit"]),
                 delta=None if budget else entry["delta"],
             )
             s.analysis = entry["analysis"]
             s.accountant.load_state_dict(entry["accountant"])
             stages[s.name] = s
-        self.stages = stages
+        claims = [PaperClaim(c["name"], float(c["epsilon"]), float(c["delta"]), c["source"]) for c in state.get("paper_claims", [])]
+        void = state.get("void")
+        if void is not None and not isinstance(void, str):
+            raise ValidationError("ledger.void", f"must be a string or null, got {void!r}")
+        self.stages, self.paper_claims, self.void_reason = stages, claims, void

@@ -31,6 +31,7 @@ from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource, secret_generator
+from dporl.privacy.units import as_unit
 from dporl.train.checkpoint import load_checkpoint, read_journal, save_checkpoint, write_journal
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.utils.io import atomic_write_json
@@ -132,6 +133,7 @@ class Trainer:
         unit = getattr(self.algorithm, "privacy_unit", None)
         if unit is None:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
+        unit = as_unit(unit)
         budget = (self.dp.epsilon, self.dp.delta)
         if self.stage not in self.ledger.stages:
             self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit)
@@ -142,7 +144,7 @@ class Trainer:
             raise ValidationError(
                 "ledger.stage",
                 f"stage {self.stage!r} exists with budget {existing.budget}, {existing.mechanism}, unit "
-                f"{existing.unit!r}; this run needs {budget}, {self.dp.accountant}, unit {unit!r}",
+                f"{existing.unit}; this run needs {budget}, {self.dp.accountant}, unit {unit}",
             )
 
     def _trainable(self) -> list[nn.Parameter]:
