@@ -15,12 +15,24 @@ different privacy units are never combined into one number.
 Checking the budget on every step would cost a full analysis per step, so a stage grants itself "headroom": it
 verifies once that ``k`` more copies of the event fit (k doubling as steps arrive) and spends that headroom
 without recomputation. Every recorded event has therefore been verified to fit before it was recorded.
+
+A run-level budget (``PrivacyLedger(budget=(eps, delta))``) caps the whole run: every stage must then have a budget,
+and a stage is refused at opening unless the stage budgets, composed basically, fit the run's. Since each stage
+stays within its own budget, the run's guarantee (the smaller of basic composition and the joint PLD) never
+exceeds the run budget, whatever state is restored from disk (restored stages and events are checked the same way).
+
+Write-ahead journal (``attach_journal``): with a journal attached, every change of the ledger's state (a stage
+opened, an event charged, a paper claim, a void) is handed to the journal BEFORE the call returns, so a mechanism
+runs only after its cost is durable. ``authorise(stage, event, k)`` charges ``k`` runs ahead of time (one write for
+a block of training steps); the next ``k`` ``record`` calls of that event consume the authorisation without
+writing. Recovery loads the journal: every authorised event is charged as recorded, run or not (a crash can never
+under-count, and a re-run can never re-price what an earlier attempt authorised).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dporl.privacy.accountants import (
     Accountant,
@@ -183,10 +195,61 @@ class PrivacyReport:
 class PrivacyLedger:
     """Named stages composed sequentially into one run's guarantee (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Optional[tuple[float, float]] = None) -> None:
         self.stages: dict[str, Stage] = {}
         self.paper_claims: list[PaperClaim] = []
         self.void_reason: Optional[str] = None
+        self.budget = None if budget is None else _check_budget("ledger.budget", budget)
+        self._journal: Optional[Callable[[dict[str, Any]], None]] = None
+        self._ahead: dict[tuple[str, PrivacyEvent], int] = {}  # authorised runs not yet recorded
+
+    # ------------------------------------------------------------------ write-ahead journal
+    @property
+    def journaled(self) -> bool:
+        return self._journal is not None
+
+    def attach_journal(self, write: Callable[[dict[str, Any]], None], recovered: Optional[dict[str, Any]] = None) -> None:
+        """Hand every later change of the state to ``write`` (with the whole ``state_dict()``) before it takes effect.
+
+        ``recovered`` is the state a journal held from an earlier attempt: all its events are charged as recorded,
+        and whatever this ledger holds already (recorded before the journal was attached) is charged on top (a
+        pipeline that repeats a mechanism on resume pays for it twice, never zero times).
+        """
+        if self._journal is not None:
+            raise ValidationError("ledger.journal", "a journal is already attached")
+        if recovered is not None:
+            self._merge(recovered)
+        self._journal = write
+        self._write()
+
+    def _write(self) -> None:
+        if self._journal is not None:
+            self._journal(self.state_dict())
+
+    def _merge(self, recovered: dict[str, Any]) -> None:
+        """This ledger := ``recovered`` plus every stage, event and claim this ledger holds (budgets checked)."""
+        merged = PrivacyLedger(self.budget)
+        merged.load_state_dict(recovered)
+        for name, s in self.stages.items():
+            if name in merged.stages:
+                other = merged.stages[name]
+                if (other.budget, other.mechanism, other.unit, other.delta) != (s.budget, s.mechanism, s.unit, s.delta):
+                    raise ValidationError(
+                        "journal", f"stage {name!r} on disk ({other.budget}, {other.mechanism}, {other.unit}) differs "
+                        f"from this run's ({s.budget}, {s.mechanism}, {s.unit})"
+                    )
+            else:
+                merged.stage(name, budget=s.budget, mechanism=s.mechanism, unit=s.unit,
+                             delta=None if s.budget else s.delta)
+                merged.stages[name].analysis = s.analysis
+            for event, count in s.accountant.history:
+                merged._charge(name, event, count)
+        for claim in self.paper_claims:
+            if claim not in merged.paper_claims:
+                merged.paper_claims.append(claim)
+        if self.void_reason is not None:
+            merged.void(self.void_reason)
+        self.stages, self.paper_claims, self.void_reason = merged.stages, merged.paper_claims, merged.void_reason
 
     def paper_claim(self, name: str, epsilon: float, delta: float, source: str) -> PaperClaim:
         """Record a published analysis's figure that is NOT a guarantee for this run (see ``PaperClaim``)."""
@@ -194,6 +257,7 @@ class PrivacyLedger:
             raise ValidationError("paper_claim.source", "say which paper's analysis this is and why it is not a guarantee")
         claim = PaperClaim(str(name), float(epsilon), float(delta), str(source))
         self.paper_claims.append(claim)
+        self._write()
         return claim
 
     def void(self, reason: str) -> None:
@@ -201,6 +265,7 @@ class PrivacyLedger:
         if not reason:
             raise ValidationError("ledger.void", "say why the run has no guarantee")
         self.void_reason = reason if self.void_reason is None else f"{self.void_reason}; {reason}"
+        self._write()
 
     def stage(
         self,
@@ -233,11 +298,33 @@ class PrivacyLedger:
             raise ValidationError(f"ledger.{name}.delta", "a stage without a budget needs the delta to report at")
         else:
             delta = check_probability(f"ledger.{name}.delta", delta, allow_zero=False, allow_one=False)
+        if self.budget is not None:
+            self._check_fits_run(name, budget)
         composed_by = analysis_name(mechanism)
         label = composed_by if analysis is None else f"{analysis}; composed by {composed_by}"
         stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label)
         self.stages[name] = stage
+        try:
+            self._write()
+        except BaseException:
+            del self.stages[name]
+            raise
         return stage
+
+    def _check_fits_run(self, name: str, budget: Optional[tuple[float, float]]) -> None:
+        """Under a run budget, a new stage's budget must fit beside the others' (basic composition)."""
+        if budget is None:
+            raise PrivacyBudgetError(
+                f"ledger.{name}.budget", f"the run has a total budget {self.budget}: every stage needs a budget"
+            )
+        eps = sum(s.budget[0] for s in self.stages.values()) + budget[0]
+        delta = sum(s.budget[1] for s in self.stages.values()) + budget[1]
+        if not (within_budget(eps, self.budget[0]) and within_budget(delta, self.budget[1])):
+            raise PrivacyBudgetError(
+                f"ledger.{name}.budget",
+                f"stage budgets would total (eps={eps:.6g}, delta={delta:.3g}), more than the run's budget "
+                f"(eps={self.budget[0]:g}, delta={self.budget[1]:g})",
+            )
 
     def _get(self, name: str) -> Stage:
         if name not in self.stages:
@@ -245,14 +332,63 @@ class PrivacyLedger:
         return self.stages[name]
 
     def record(self, stage: str, event: PrivacyEvent, count: int = 1) -> None:
-        """Record ``count`` runs of ``event`` in ``stage``; raises PrivacyBudgetError (recording nothing) if over."""
-        s = self._get(stage)
+        """Record ``count`` runs of ``event`` in ``stage``; raises PrivacyBudgetError (recording nothing) if over.
+
+        Runs already authorised (``authorise``) are consumed first and cost nothing more.
+        """
+        self._get(stage)
         count = check_count("count", count)
+        ahead = self._ahead.get((stage, event), 0)
+        used = min(ahead, count)
+        if used:
+            self._ahead[(stage, event)] = ahead - used
+        self._charge(stage, event, count - used)
+
+    def authorise(self, stage: str, event: PrivacyEvent, count: int) -> None:
+        """Charge ``count`` runs of ``event`` now, before they run (the write-ahead step of a block of steps).
+
+        The next ``count`` ``record`` calls of this event in this stage consume the authorisation. Runs authorised
+        but never run stay charged: the ledger cannot know they did not leak.
+        """
+        count = check_count("count", count)
+        self._charge(stage, event, count)
+        self._ahead[(stage, event)] = self._ahead.get((stage, event), 0) + count
+
+    def _charge(self, stage: str, event: PrivacyEvent, count: int) -> None:
+        s = self._get(stage)
         if count == 0:
             return
         if s.budget is not None and not spends_nothing(event):
             self._reserve(s, event, count)
+        before = s.accountant.state_dict() if self._journal is not None else None
         s.accountant.record(event, count)
+        try:
+            self._write()
+        except BaseException:  # not durable: not charged, and the caller must not run the mechanism
+            s.accountant.load_state_dict(before)
+            raise
+
+    def remaining(self, stage: str, event: PrivacyEvent, limit: int) -> int:
+        """Largest k <= ``limit`` such that k more runs of ``event`` fit the stage's budget (``limit`` if none)."""
+        s = self._get(stage)
+        limit = check_count("limit", limit)
+        if s.budget is None or spends_nothing(event) or limit == 0:
+            return limit
+        if not self._fits(s, event, 1):
+            return 0
+        good, bad = 1, None
+        while bad is None:  # doubling, then bisection: O(log k) analyses
+            trial = min(2 * good, limit)
+            if trial == good:
+                return good
+            if self._fits(s, event, trial):
+                good = trial
+            else:
+                bad = trial
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if self._fits(s, event, middle) else (good, middle)
+        return good
 
     def _fits(self, s: Stage, event: PrivacyEvent, count: int) -> bool:
         return within_budget(s.accountant.epsilon_with([(event, count)], s.delta), s.budget[0])
@@ -315,10 +451,19 @@ class PrivacyLedger:
         joint, joint_note = None, ""
         if basic is not None and len(stages) > 1:
             joint, joint_note = self._joint(basic[1])
-        return PrivacyReport(
+        report = PrivacyReport(
             stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes,
             list(self.paper_claims), self.void_reason,
         )
+        guarantee = report.guarantee
+        if self.budget is not None and guarantee is not None and not (
+            within_budget(guarantee[0], self.budget[0]) and within_budget(guarantee[1], self.budget[1])
+        ):  # unreachable while every stage keeps its budget; a guarantee above the budget is never printed
+            raise PrivacyBudgetError(
+                "ledger.budget", f"the run's guarantee ({guarantee[0]:.4g}, {guarantee[1]:g}) exceeds its budget "
+                f"{self.budget}: refusing to report it"
+            )
+        return report
 
     def _relations(self) -> set[Relation]:
         """The neighbouring relations the recorded events were analysed under (bounded change for reward units)."""
@@ -357,22 +502,62 @@ class PrivacyLedger:
             ],
             "paper_claims": [claim.to_dict() for claim in self.paper_claims],
             "void": self.void_reason,
+            "budget": list(self.budget) if self.budget else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        stages: dict[str, Stage] = {}
-        restored = PrivacyLedger()
+        """Restore a saved state (a JSON-safe dict). Every restored stage and event is checked against this ledger's
+        run budget and each stage's own, so no state on disk can produce a guarantee above the budget; a malformed
+        state is a ValidationError naming "ledger", never a KeyError."""
+        try:
+            restored = self._restore(state)
+        except ValidationError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise ValidationError("ledger", f"saved ledger state is malformed ({type(exc).__name__}: {exc})") from None
+        self.stages, self.paper_claims, self.void_reason = restored.stages, restored.paper_claims, restored.void_reason
+        self._ahead = {}
+        self._write()
+
+    def _restore(self, state: dict[str, Any]) -> "PrivacyLedger":
+        if not isinstance(state, dict) or not isinstance(state["stages"], list):
+            raise ValidationError("ledger", f"expected a saved ledger state, got {type(state).__name__}")
+        saved_budget = state.get("budget")
+        if self.budget is not None and saved_budget is not None and tuple(saved_budget) != self.budget:
+            raise PrivacyBudgetError(
+                "ledger.budget", f"the saved ledger was made for a run budget {tuple(saved_budget)}, this run's is "
+                f"{self.budget}"
+            )
+        restored = PrivacyLedger(self.budget)
         for entry in state["stages"]:
             budget = tuple(entry["budget"]) if entry["budget"] is not None else None
             s = restored.stage(
                 entry["name"], budget=budget, mechanism=entry["mechanism"], unit=PrivacyUnit.from_dict(entry["unit"]),
                 delta=None if budget else entry["delta"],
             )
+            if not isinstance(entry["analysis"], str):
+                raise ValidationError("ledger", f"stage {s.name!r}: analysis must be a string")
             s.analysis = entry["analysis"]
             s.accountant.load_state_dict(entry["accountant"])
-            stages[s.name] = s
-        claims = [PaperClaim(c["name"], float(c["epsilon"]), float(c["delta"]), c["source"]) for c in state.get("paper_claims", [])]
+            if s.budget is not None and not within_budget(restored.spent(s.name), s.budget[0]):
+                raise PrivacyBudgetError(
+                    f"ledger.{s.name}", f"the saved state spends eps={restored.spent(s.name):.4g}, over the stage "
+                    f"budget eps={s.budget[0]:g}: refusing to load it"
+                )
+        restored.paper_claims = [
+            PaperClaim(str(c["name"]), float(c["epsilon"]), float(c["delta"]), str(c["source"]))
+            for c in state.get("paper_claims", [])
+        ]
         void = state.get("void")
         if void is not None and not isinstance(void, str):
             raise ValidationError("ledger.void", f"must be a string or null, got {void!r}")
-        self.stages, self.paper_claims, self.void_reason = stages, claims, void
+        restored.void_reason = void
+        return restored
+
+
+def _check_budget(field: str, budget: Any) -> tuple[float, float]:
+    if not isinstance(budget, (tuple, list)) or len(budget) != 2:
+        raise ValidationError(field, f"expected (epsilon, delta), got {budget!r}")
+    eps = check_positive(f"{field}.epsilon", budget[0])
+    delta = check_probability(f"{field}.delta", budget[1], allow_zero=False, allow_one=False)
+    return eps, delta
