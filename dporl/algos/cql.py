@@ -19,8 +19,9 @@ bounded in slope, which keeps per-unit gradients small relative to the clip norm
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
@@ -28,6 +29,39 @@ from torch.nn import functional as F
 
 from dporl.privacy.units import EXPERT, PrivacyUnit, as_unit
 from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+
+# Declared network sizes are checked against these before anything is allocated (absurd hidden sizes, or a dataset
+# declaring 10^12 actions, must be a named error, not an attempt to allocate a petabyte).
+MAX_OBS_DIM = 1 << 16
+MAX_ACTIONS = 1 << 20
+MAX_WIDTH = 1 << 16
+MAX_LAYERS = 64
+MAX_PARAMETERS = 1 << 30  # 4 GiB of float32
+
+
+def _bounded_count(field: str, value: Any, bound: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= bound:
+        raise ValidationError(field, f"must be an integer in [{minimum}, {bound}], got {value!r}")
+    return int(value)
+
+
+def check_hidden_sizes(field: str, hidden_sizes: Any) -> list[int]:
+    if not isinstance(hidden_sizes, (list, tuple)) or not 1 <= len(hidden_sizes) <= MAX_LAYERS:
+        raise ValidationError(field, f"expected 1 to {MAX_LAYERS} positive layer sizes, got {hidden_sizes!r}")
+    return [_bounded_count(f"{field}[{i}]", h, MAX_WIDTH) for i, h in enumerate(hidden_sizes)]
+
+
+def check_mlp_sizes(field: str, obs_dim: Any, hidden_sizes: Any, n_actions: Any) -> tuple[int, list[int], int]:
+    """Validated (obs_dim, hidden_sizes, n_actions) of an MLP, refusing absurd sizes before allocation."""
+    obs_dim = _bounded_count(f"{field}.obs_dim", obs_dim, MAX_OBS_DIM)
+    n_actions = _bounded_count(f"{field}.n_actions", n_actions, MAX_ACTIONS, minimum=2)
+    hidden = check_hidden_sizes(f"{field}.hidden_sizes", hidden_sizes)
+    sizes = [obs_dim, *hidden, n_actions]
+    parameters = sum((a + 1) * b for a, b in zip(sizes[:-1], sizes[1:]))
+    if parameters > MAX_PARAMETERS:
+        raise ValidationError(f"{field}.hidden_sizes", f"{parameters:.3g} parameters; at most {MAX_PARAMETERS:.3g}")
+    return obs_dim, hidden, n_actions
 
 
 @dataclass
@@ -47,8 +81,7 @@ class CQLConfig:
     def __post_init__(self) -> None:
         check_probability("cql.gamma", self.gamma)
         check_positive("cql.alpha", self.alpha, allow_zero=True)
-        if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
-            raise ValidationError("cql.hidden_sizes", f"need positive layer sizes, got {self.hidden_sizes}")
+        self.hidden_sizes = check_hidden_sizes("cql.hidden_sizes", self.hidden_sizes)
         if self.target_update_every < 1:
             raise ValidationError("cql.target_update_every", f"must be >= 1, got {self.target_update_every}")
         if self.tau is not None:
@@ -70,8 +103,7 @@ class DiscreteCQL(nn.Module):
 
     def __init__(self, obs_dim: int, n_actions: int, config: CQLConfig, privacy_unit: PrivacyUnit | str = EXPERT):
         super().__init__()
-        if obs_dim < 1 or n_actions < 2:
-            raise ValidationError("cql", f"need obs_dim >= 1 and n_actions >= 2, got {obs_dim}, {n_actions}")
+        obs_dim, _, n_actions = check_mlp_sizes("cql", obs_dim, config.hidden_sizes, n_actions)
         self.config = config
         self.obs_dim = obs_dim
         self.n_actions = n_actions

@@ -35,7 +35,7 @@ from dporl.privacy.gp_noise import FunctionalNoise
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.samplers import Batch, UniformBatchSource
 from dporl.privacy.units import REWARD
-from dporl.utils.io import atomic_torch_save
+from dporl.utils.io import atomic_torch_save, load_weights
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 TRANSITION_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated")
@@ -152,7 +152,9 @@ def save_noisy_q(path: str | Path, function: NoisyQFunction, metadata: dict[str,
 
 
 def load_noisy_q(path: str | Path) -> tuple[NoisyQFunction, dict[str, Any]]:
-    payload = torch.load(path, weights_only=False)
+    payload = load_weights(path, "released")  # weights-only: a released file can never run code
+    if not isinstance(payload, dict) or not {"spec", "state_dict", "metadata"} <= set(payload):
+        raise ValidationError("released", f"{path} is not a released noisy Q-function")
     spec = payload["spec"]
     paths = FunctionalNoise(
         spec["n_actions"], spec["state_low"], spec["state_high"], spec["sigma"], spec["beta"], NoiseSource(0)

@@ -29,7 +29,9 @@ Views never loop over episodes in Python: every per-episode slice is one vectori
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -55,6 +57,10 @@ _ARRAY_DTYPES = {
     "behavior_log_probs": np.float32,
 }
 _OPTIONAL_ARRAYS = {"behavior_log_probs"}
+# Bounds on what metadata may declare (arrays are sized by them, e.g. per-expert counts and action histograms).
+MAX_ACTIONS = 1 << 20
+MAX_EXPERTS = 1 << 27
+MAX_OBS_ELEMENTS = 1 << 24
 _ARCHIVE_KEYS = {"format_version", "metadata", *_ARRAY_DTYPES}
 
 
@@ -87,14 +93,16 @@ class DatasetMetadata:
     def __post_init__(self) -> None:
         if not isinstance(self.env_id, str) or not self.env_id:
             raise ValidationError("metadata.env_id", f"expected a non-empty string, got {self.env_id!r}")
-        for name in ("n_actions", "n_experts"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValidationError(f"metadata.{name}", f"expected an integer >= 1, got {value!r}")
+        for name, bound in (("n_actions", MAX_ACTIONS), ("n_experts", MAX_EXPERTS)):
+            value = getattr(self, name)  # bounded: code sizes arrays by these before reading any row
+            if not _is_int(value) or not 1 <= value <= bound:
+                raise ValidationError(f"metadata.{name}", f"expected an integer in [1, {bound}], got {value!r}")
             object.__setattr__(self, name, int(value))
         shape = self.obs_shape
         if not isinstance(shape, (tuple, list)) or not all(_is_int(d) and d >= 1 for d in shape):
             raise ValidationError("metadata.obs_shape", f"expected a tuple of integers >= 1, got {shape!r}")
+        if len(shape) > 8 or math.prod(int(d) for d in shape) > MAX_OBS_ELEMENTS:
+            raise ValidationError("metadata.obs_shape", f"{shape!r} exceeds {MAX_OBS_ELEMENTS} elements / 8 axes")
         object.__setattr__(self, "obs_shape", tuple(int(d) for d in shape))
         if self.p_min is not None:
             if isinstance(self.p_min, bool) or not isinstance(self.p_min, (int, float, np.floating)):
@@ -648,6 +656,20 @@ class TrajectoryDataset:
             "has_behavior_log_probs": self.behavior_log_probs is not None,
             "p_min": self.metadata.p_min,
         }
+
+    def fingerprint(self) -> str:
+        """sha256 of the content (metadata JSON and every array's dtype, shape and bytes), independent of the file
+        it came from: what run directories record as the provenance of their input data."""
+        digest = hashlib.sha256(json.dumps(self.metadata.to_dict(), sort_keys=True).encode())
+        for name in _ARRAY_DTYPES:
+            array = getattr(self, name)
+            digest.update(name.encode())
+            if array is None:
+                digest.update(b"absent")
+                continue
+            digest.update(f"{array.dtype.str}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> Path:

@@ -154,7 +154,7 @@ class ExpertSet(nn.Module):
             raise ValidationError("expert_set.format", f"{path} is not a {FORMAT_NAME} file")
         if payload.get("format_version") != FORMAT_VERSION:
             raise ValidationError("expert_set.format_version", f"unsupported version {payload.get('format_version')!r}")
-        config = json.loads(payload["config_json"])
+        config = _read_config(payload, path)
         family = config.get("family")
         if family not in FAMILIES:
             raise ValidationError("expert_set.family", f"unknown policy family {family!r} (known: {sorted(FAMILIES)})")
@@ -260,3 +260,24 @@ def _check_json_safe(field: str, value: Any) -> None:
         json.dumps(value)
     except (TypeError, ValueError) as exc:
         raise ValidationError(field, f"must be JSON-serialisable: {exc}") from None
+
+
+def _read_config(payload: dict, path: Path) -> dict:
+    """The file's JSON config with every key ``load`` reads; a missing or malformed one is named."""
+    raw = payload.get("config_json")
+    if not isinstance(raw, str):
+        raise ValidationError("expert_set.config_json", f"{path} has no JSON config string")
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise ValidationError("expert_set.config_json", f"is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValidationError("expert_set.config_json", f"expected a JSON object, got {type(config).__name__}")
+    for key, kind in (("family", str), ("family_config", dict), ("softening", str)):
+        if not isinstance(config.get(key), kind):
+            raise ValidationError(f"expert_set.config_json.{key}", f"expected a {kind.__name__}, got {config.get(key)!r}")
+    if "p_min" not in config:
+        raise ValidationError("expert_set.config_json.p_min", "missing")
+    if not isinstance(payload.get("state_dict"), dict):
+        raise ValidationError("expert_set.state_dict", f"{path} holds no state_dict")
+    return config

@@ -18,6 +18,7 @@ under their ``family`` name so saved expert sets can be loaded without pickling 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Sequence, Union
 
 import torch
@@ -35,9 +36,14 @@ def register_family(cls: type["StackedPolicy"]) -> type["StackedPolicy"]:
     return cls
 
 
+# Sizes a config (e.g. a hostile expert-set file) may declare; checked before anything is allocated.
+MAX_COUNT = 1 << 27
+MAX_ELEMENTS = 1 << 31  # 8 GiB of float32 parameters in one expert set
+
+
 def _check_count(field: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValidationError(field, f"must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+        raise ValidationError(field, f"must be an integer in [1, {MAX_COUNT}], got {value!r}")
     return value
 
 
@@ -62,6 +68,9 @@ class StackedPolicy(nn.Module):
         return {"n_experts": self.n_experts, "obs_dim": self.obs_dim, "n_actions": self.n_actions}
 
     def _new_parameter(self, *shape: int) -> nn.Parameter:
+        self._elements = getattr(self, "_elements", 0) + self.n_experts * math.prod(shape)
+        if self._elements > MAX_ELEMENTS:
+            raise ValidationError("family_config", f"{self.family}: more than {MAX_ELEMENTS:.3g} parameters declared")
         return nn.Parameter(torch.zeros(self.n_experts, *shape), requires_grad=False)
 
     def stacked(self, experts: ExpertIndex = None) -> dict[str, torch.Tensor]:

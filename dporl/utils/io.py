@@ -1,4 +1,9 @@
-"""Atomic file writes: readers never see a half-written file, and a crash leaves the old file intact."""
+"""Atomic file writes (readers never see a half-written file, and a crash leaves the old file intact) and safe reads.
+
+Reading never runs code from a file: torch files are read with ``weights_only=True`` (tensors and plain Python
+containers only; a pickled object is refused), JSON with ``json``; ``np.load`` is always called with
+``allow_pickle=False``. ``load_weights`` is the one torch reader and names the field a bad file belongs to.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,49 @@ def atomic_torch_save(path: str | os.PathLike, obj: Any) -> Path:
     import torch
 
     return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def load_weights(path: str | os.PathLike, field: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``; any unreadable, truncated or code-carrying file is a ValidationError.
+
+    ``weights_only`` refuses every pickled global except tensors and plain containers, so a hostile file cannot
+    execute anything while it is read.
+    """
+    import torch
+
+    from dporl.utils.validation import ValidationError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValidationError(field, f"file not found: {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # UnpicklingError (a refused global), zip/EOF errors, a foreign format
+        raise ValidationError(field, f"{path} is not a readable weights-only torch file ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def read_json(path: str | os.PathLike, field: str) -> Any:
+    """The JSON value in ``path``; a missing or malformed file is a ValidationError naming ``field``."""
+    from dporl.utils.validation import ValidationError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValidationError(field, f"file not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValidationError(field, f"{path} is not valid JSON ({exc})") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _json_default(value: Any) -> Any:
