@@ -1,9 +1,10 @@
 """TensorBoard logging and PNG plots.
 
-Scalars under ``curator/`` (training losses, clip fractions, gradient norms of private batches) are computed
-from raw private data without noise: they are diagnostics for the data curator and are NOT covered by the
-run's (epsilon, delta). Everything else a run logs is either public (environment returns of the released model,
-privacy spent) or post-processing of privatised outputs.
+Two writers per run (``dporl.train.run_dir``): ``RUN/release/tensorboard`` receives public scalars only (returns of
+the released iterates in the public simulator, privacy spent, the learning rate schedule) and is the one to share;
+``RUN/curator/tensorboard`` receives curator diagnostics (tags under ``curator/``: training losses, clip
+fractions, gradient norms of private batches, step timings), which are computed from raw private data without
+noise, are NOT covered by the run's (epsilon, delta), and are written only with ``trainer.curator_diagnostics``.
 """
 
 from __future__ import annotations

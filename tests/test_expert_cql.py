@@ -10,7 +10,7 @@ from dporl.experts.analytic import cartpole_lqr_experts
 from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import get_pipeline
-from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, evaluate, run
+from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, run
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
@@ -76,8 +76,9 @@ def test_mixed_runs_end_to_end_with_sound_mixture_accounting(logged, tmp_path, c
     assert "GUARANTEE" in out and "NOT a guarantee" in out
     assert (tmp_path / "run" / "release" / "d_stable.npz").exists()
     assert "eval/return_mean" in summary["final_metrics"]
-    saved = json.loads((tmp_path / "run" / "expert_cql_summary.json").read_text())
-    assert saved["steps"] == 30
+    saved = json.loads((tmp_path / "run" / "release" / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary)) and saved["steps"] == 30
+    assert "config" not in saved and json.loads((tmp_path / "run" / "curator" / "summary.json").read_text())["config"]
 
 
 def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
@@ -101,22 +102,36 @@ def test_stable_only_and_non_private(logged, tmp_path):
 
 
 def test_resume_reuses_the_paid_release(logged, tmp_path):
-    cfg = config(logged, tmp_path)
+    cfg = config(logged, tmp_path, **{"trainer.checkpoint_every": 10})
     first = run(cfg)
     release_file = tmp_path / "run" / "release" / "d_stable.npz"
     stamp = release_file.stat().st_mtime_ns
-    second = run(cfg)  # same run_dir: resumes from the checkpoint, release not repeated
+    with pytest.raises(ValidationError) as info:  # an existing run directory is refused unless asked for
+        run(cfg)
+    assert info.value.field == "run_dir" and "--resume" in str(info.value)
+    assert run(cfg, mode="resume") == first  # a finished run is read back, not repeated
+    (tmp_path / "run" / "curator" / "summary.json").unlink()  # as if killed after its last checkpoint
+    second = run(cfg, mode="resume")  # resumes from the checkpoint, release not repeated
     assert release_file.stat().st_mtime_ns == stamp
     assert second["privacy"]["guarantee"] == first["privacy"]["guarantee"]
 
 
-def test_evaluate_from_checkpoint(logged, tmp_path):
-    from dporl.train.checkpoint import load_checkpoint
+def test_evaluate_py_from_the_release_alone(logged, tmp_path, capsys):
+    import importlib.util
+    import shutil
+    from pathlib import Path
 
     run(config(logged, tmp_path, method="non_private"))
-    payload = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
-    metrics = evaluate(payload, episodes=3, seed=5, out_dir=tmp_path / "eval")
-    assert metrics["episodes"] == 3 and (tmp_path / "eval" / "eval.json").exists()
+    shared = tmp_path / "handed_out"
+    shutil.copytree(tmp_path / "run" / "release", shared / "release")  # no curator/ anywhere near it
+    spec = importlib.util.spec_from_file_location("dporl_evaluate_cli", Path(__file__).resolve().parents[1] / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    assert module.main(["--run", str(shared), "--episodes", "3", "--seed", "5"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["episodes"] == 3 and metrics["env_id"] == "CartPole-v1"
+    assert (shared / "release" / "evaluations" / "eval_seed5_episodes3.json").exists()
 
 
 def test_registered_and_refusals(logged, tmp_path):

@@ -175,7 +175,7 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     summary = pipeline.run(config)
     rows = {row["label"]: row for row in summary["rows"]}
     assert set(rows) == {"nonprivate", "fnq_eps0.9", "input_perturbation_eps0.9", "dpsgd_eps0.9"}
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "curator" / "results.json").read_text())
     fnq = next(r for r in results["runs"] if r["label"] == "fnq_eps0.9")
     # Theorem 5 at T/B = 4 updates, 4 windows: the total delta fits, and the ledger reports the reward unit.
     assert fnq["privacy"]["delta_total"] <= 1e-4 and fnq["privacy"]["reset_factor"] == 4
@@ -183,13 +183,14 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     assert fnq["sigma"] == pytest.approx(fnq["privacy"]["sigma"])
     dpsgd = next(r for r in results["runs"] if r["label"] == "dpsgd_eps0.9")
     assert dpsgd["ledger"]["stages"][0]["epsilon"] <= 0.9
-    assert (tmp_path / "table.md").exists() and all(Path(p).exists() for p in summary["plots"])
-    released, _ = load_noisy_q(tmp_path / "fnq_eps0.9" / "seed0" / "released.pt")
+    assert (tmp_path / "curator" / "table.md").exists() and all(Path(p).exists() for p in summary["plots"])
+    released, _ = load_noisy_q(tmp_path / "fnq_eps0.9" / "seed0" / "release" / "released.pt")
     assert released.noise.sigma == pytest.approx(fnq["sigma"])
     from dporl.train.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "fnq_eps0.9" / "seed0"
-    metrics = pipeline.evaluate(load_checkpoint(run_dir / "checkpoints" / "last.pt"), episodes=2, seed=0, out_dir=run_dir)
+    metrics = pipeline.evaluate(load_checkpoint(run_dir / "curator" / "checkpoints" / "last.pt"), episodes=2, seed=0,
+                                out_dir=run_dir)
     assert metrics["episodes"] == 2 and metrics["label"] == "fnq_eps0.9" and (run_dir / "eval.json").exists()
 
 

@@ -40,7 +40,7 @@ def test_chain_pipeline_end_to_end(tmp_path, mode):
     summary = get_pipeline("ope").run(config)
     run_dir = tmp_path / "run"
     for name in ("results.csv", "results.md", "mspbe_vs_m.png", "rmse_vs_m.png", "summary.json"):
-        assert (run_dir / name).exists(), name
+        assert (run_dir / "curator" / name).exists(), name
     methods = {row["method"]: row for row in summary["table"]}
     assert set(methods) == {"lstd (non-private)", "theta = 0 (no data)", *private}
     for name in private:
@@ -48,8 +48,8 @@ def test_chain_pipeline_end_to_end(tmp_path, mode):
         assert math.isfinite(methods[name]["mspbe_mean"])
 
     # The GPOPE run's ledger (in its checkpoint) equals a fresh analysis of the event its source states.
-    checkpoint = load_checkpoint(run_dir / "m20" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
-    run_summary = json.loads((run_dir / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    checkpoint = load_checkpoint(run_dir / "m20" / "trial0" / "gpope_x1" / "curator" / "checkpoints" / "last.pt")
+    run_summary = json.loads((run_dir / "m20" / "trial0" / "gpope_x1" / "curator" / "train_summary.json").read_text())
     sigma, steps = run_summary["noise_multiplier"], run_summary["budget_steps"]
     event = (PoissonGaussianEvent(sigma, 1 / 20) if mode == "poisson"
              else SampledWithoutReplacementGaussianEvent(sigma / 2, 1, 20))
@@ -115,7 +115,7 @@ def test_given_noise_multiplier_runs_the_most_steps_the_budget_allows(tmp_path):
     config = tiny_config(tmp_path, epsilon=1.0, gpope={"noise_multiplier": 2.0}, output_perturbation={"methods": []})
     summary = get_pipeline("ope").run(config)
     gpope_row = next(row for row in summary["table"] if row["method"].startswith("gpope"))
-    run_summary = json.loads((tmp_path / "run" / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    run_summary = json.loads((tmp_path / "run" / "m20" / "trial0" / "gpope_x1" / "curator" / "train_summary.json").read_text())
     allowed = max_steps(PoissonGaussianEvent(2.0, 1 / 20), 1.0, config.delta, mechanism="rdp")
     assert run_summary["steps"] == allowed > 20
     assert run_summary["noise_multiplier"] == 2.0
@@ -159,7 +159,7 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
     assert set(methods) == {"wis-lstd (non-private)", "theta = 0 (no data)", "gpope (1x step)"}
     assert 0 < methods["gpope (1x step)"]["epsilon"] <= config.epsilon
     assert all(math.isfinite(row["mspbe_mean"]) for row in summary["table"])
-    assert "HIV treatment" in (tmp_path / "run" / "results.md").read_text()
+    assert "HIV treatment" in (tmp_path / "run" / "curator" / "results.md").read_text()
 
     # Logged log-probabilities are the behaviour's (softmax of Q); the target is greedy w.r.t. the same Q.
     problem = hiv_problem(config)
@@ -172,7 +172,7 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
     assert torch.equal(problem.target_policy(states).argmax(-1), q.argmax(-1))
 
     # evaluate.py's hook rebuilds the same (seeded, public) problem and rescores the released theta.
-    checkpoint = load_checkpoint(tmp_path / "run" / "m6" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
+    checkpoint = load_checkpoint(tmp_path / "run" / "m6" / "trial0" / "gpope_x1" / "curator" / "checkpoints" / "last.pt")
     metrics = get_pipeline("ope").evaluate(checkpoint, episodes=1, seed=0, out_dir=tmp_path / "eval")
     assert metrics["mspbe"] == pytest.approx(problem.metrics(checkpoint["algorithm"]["theta"])["mspbe"], rel=1e-9)
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dporl.train.checkpoint import load_checkpoint, read_journal
+from dporl.train.checkpoint import load_checkpoint
+from dporl.train.run_dir import read_journal
 
 # The toy run, shared by the in-process tests and the subprocess (so both train exactly the same thing).
 TOY = textwrap.dedent(
@@ -72,6 +73,11 @@ def _ledger_steps(trainer) -> int:
     return len(trainer.ledger.stages["train"].accountant)
 
 
+def _authorised(run_dir: Path) -> int:
+    """Private steps the write-ahead journal has authorised (charged whether or not they ran)."""
+    return len(read_journal(run_dir / "curator" / "journal.json").stages["train"].accountant)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_exception_at_a_random_step_then_resume_never_undercounts(tmp_path, seed):
     total = 40
@@ -80,8 +86,8 @@ def test_exception_at_a_random_step_then_resume_never_undercounts(tmp_path, seed
     with pytest.raises(RuntimeError, match="injected fault"):
         make_trainer(tmp_path, first, total).fit()
     # The journal authorised every step that ran before the fault (a block of journal_every at a time).
-    assert read_journal(tmp_path / "privacy_journal.json") >= first.private_steps == crash_at
-    checkpoint = tmp_path / "checkpoints" / "last.pt"
+    assert _authorised(tmp_path) >= first.private_steps == crash_at
+    checkpoint = tmp_path / "curator" / "checkpoints" / "last.pt"
     if crash_at >= 7:
         assert load_checkpoint(checkpoint)["step"] == 7 * (crash_at // 7)
 
@@ -131,9 +137,9 @@ def test_sigkill_at_a_random_point_then_resume(tmp_path, seed):
     _run_and_kill(run_dir, step_log, kill_after, total)
     started = len(step_log.read_text()) // 2  # steps that began before the kill (the last may be half done)
     assert started >= kill_after
-    authorised = read_journal(run_dir / "privacy_journal.json")
+    authorised = _authorised(run_dir)
     assert authorised >= started  # the write-ahead journal covers every step that could have leaked
-    checkpoint = run_dir / "checkpoints" / "last.pt"
+    checkpoint = run_dir / "curator" / "checkpoints" / "last.pt"
     if checkpoint.exists():  # atomic: whatever the kill interrupted, the file on disk is a whole checkpoint
         assert load_checkpoint(checkpoint)["step"] <= started
 

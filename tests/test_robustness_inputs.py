@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dporl.train.checkpoint import load_checkpoint, read_journal, save_checkpoint
+from dporl.train.checkpoint import load_checkpoint, save_checkpoint
+from dporl.train.run_dir import read_journal
 from dporl.train.config import DPConfig, TrainerConfig
 from dporl.utils.config import from_dict
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
@@ -100,8 +101,9 @@ def test_trainer_config_refuses_nonsense():
 
 
 def _valid_checkpoint(path: Path) -> bytes:
-    save_checkpoint(path, {"pipeline": "p", "config": {}, "step": 3, "budget_steps": 3, "algorithm": {"w": torch.ones(50)},
-                           "optimizer": {}, "ledger": {}, "rng": {}})
+    save_checkpoint(path, {"pipeline": "p", "config_sha256": "0" * 64, "step": 3, "budget_steps": 3,
+                           "algorithm": {"w": torch.ones(50)}, "optimizer": {}, "scheduler": {}, "eval_history": [],
+                           "rng": {"sampler": torch.Generator().get_state()}})
     return path.read_bytes()
 
 
@@ -125,7 +127,7 @@ def test_corrupt_checkpoints_are_named_and_never_loaded(tmp_path, kind):
 
 
 def test_checkpoints_of_the_wrong_format(tmp_path):
-    for payload in ([1, 2, 3], {"format": 99}, {"format": 1, "step": 3}):
+    for payload in ([1, 2, 3], {"format": 99}, {"format": 2, "step": 3}):
         path = tmp_path / "x.pt"
         torch.save(payload, path)
         with pytest.raises(ValidationError, match="checkpoint"):
@@ -135,25 +137,37 @@ def test_checkpoints_of_the_wrong_format(tmp_path):
     assert not (tmp_path / "y.pt").exists()
 
 
-@pytest.mark.parametrize("text", ["", "not json", '{"authorised_steps": -3}', '{"authorised_steps": "5"}', '{"steps": 5}',
-                                  '{"authorised_steps": 2.5}'])
+_LEDGER = '{"format": "dporl-privacy-journal", "version": 1, "ledger": %s}'
+_STAGE = ('{"name": "train", "budget": [1.0, 1e-5], "mechanism": "rdp", "unit": "transition", '
+          '"delta": 1e-5, "analysis": "RDP", "accountant": {"mechanism": "rdp", "history": %s}}')
+
+
+@pytest.mark.parametrize("text", [
+    "", "not json", '{"authorised_steps": 5}', _LEDGER % "[]", _LEDGER % '{"stages": 5}',
+    _LEDGER % ('{"stages": [%s]}' % (_STAGE % '[[{"type": "PoissonGaussianEvent", "noise_multiplier": 1.0, '
+                                       '"sample_rate": 0.1}, -3]]')),
+    _LEDGER % ('{"stages": [%s]}' % (_STAGE % '[[{"type": "Rumour"}, 1]]')),
+    _LEDGER % ('{"stages": [%s]}' % (_STAGE % '[[{"type": "PoissonGaussianEvent", "noise_multiplier": 0.1, '
+                                       '"sample_rate": 1.0}, 1000]]')),  # spends far past the stage budget
+])
 def test_corrupt_journals_refuse_to_guess_the_spent_budget(tmp_path, text):
-    path = tmp_path / "privacy_journal.json"
+    """Failure 7 (a garbage ledger): every malformed journal is a named error, never a traceback or a guess."""
+    path = tmp_path / "journal.json"
     path.write_text(text)
     with pytest.raises(ValidationError) as info:
         read_journal(path)
-    assert info.value.field == "journal"
+    assert info.value.field.split(".")[0] in ("journal", "ledger", "count", "event")
 
 
 def test_trainer_refuses_a_corrupt_checkpoint_without_touching_the_run(tmp_path):
     from test_robustness_faults import Toy, make_trainer
 
     make_trainer(tmp_path, Toy(), 10).fit()
-    checkpoint = tmp_path / "checkpoints" / "last.pt"
+    checkpoint = tmp_path / "curator" / "checkpoints" / "last.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[:100])
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(ValidationError, match="checkpoint"):
-        make_trainer(tmp_path, Toy(), 20).fit()
+        make_trainer(tmp_path, Toy(), 10).fit()
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
 

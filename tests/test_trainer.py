@@ -12,7 +12,8 @@ from dporl.privacy.calibration import max_steps
 from dporl.privacy.events import MixtureEvent
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
-from dporl.train.checkpoint import load_checkpoint, read_journal
+from dporl.train.checkpoint import load_checkpoint
+from dporl.train.run_dir import read_journal
 from dporl.train.config import DPConfig, TrainerConfig
 from dporl.train.trainer import Trainer
 from dporl.utils.config import from_dict
@@ -80,8 +81,9 @@ def test_budget_driven_stopping_takes_exactly_max_steps(tmp_path):
     guarantee = result.privacy["guarantee"]
     assert guarantee["unit"] == "transition" and "RDP" in guarantee["analysis"] and guarantee["epsilon"] <= 1.5
     assert "privacy unit: transition" in result.privacy["text"]
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert (tmp_path / "summary.json").exists()
+    assert list((tmp_path / "release" / "tensorboard").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "curator" / "tensorboard").exists()  # curator diagnostics are off by default
+    assert (tmp_path / "release" / "privacy_report.json").exists() and (tmp_path / "curator" / "train_summary.json").exists()
     assert result.eval_history[-1][1]["privacy/epsilon"] == pytest.approx(trainer.ledger.spent("train"))
 
 
@@ -110,10 +112,10 @@ def test_crash_then_resume_spends_exactly_the_uninterrupted_budget(tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         _trainer(run_dir, crashing).fit()
     # The journal authorised at least every private step that ran (never under-counts).
-    assert read_journal(run_dir / "privacy_journal.json") >= crashing.private_steps == 17
-    checkpoint = load_checkpoint(run_dir / "checkpoints" / "last.pt")  # the step-10 checkpoint, intact
+    assert len(read_journal(run_dir / "curator" / "journal.json").stages["train"].accountant) >= crashing.private_steps == 17
+    checkpoint = load_checkpoint(run_dir / "curator" / "checkpoints" / "last.pt")  # the step-10 checkpoint, intact
     assert checkpoint["step"] == 10
-    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name != "last.pt"]  # no temp files left
+    assert not [p for p in (run_dir / "curator" / "checkpoints").iterdir() if p.name != "last.pt"]  # no temp files
 
     resumed = _trainer(run_dir, LogisticRegression())  # fresh process state: a new module and a new ledger
     result = resumed.fit()
@@ -128,8 +130,10 @@ def test_resume_refused_for_a_different_configuration(tmp_path):
     _trainer(tmp_path, LogisticRegression(), cap=5).fit()
     other = _trainer(tmp_path, LogisticRegression(), cap=5)
     other.pipeline_config = {"toy": 2}
-    with pytest.raises(ValidationError, match="different configuration"):
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValidationError, match="another configuration.*pipeline_config.toy: 1 -> 2"):
         other.fit()
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written
 
 
 def test_privacy_unit_and_stage_checks(tmp_path):

@@ -2,8 +2,10 @@
 
 Outputs under ``out_dir``: ``experts.pt`` (ExpertSet, atomic), ``dataset.npz`` (TrajectoryDataset, atomic),
 ``summary.json`` and ``expert_returns.png`` (each expert's greedy return on its own physics setting and its mean
-logged return in the default env, sorted). Nothing here is private: this is the data curator's side, producing
-the logged data that the private learners consume.
+logged return in the default env, sorted). Nothing here is released: this is the data curator's side, producing
+the logged data that the private learners consume, so ``out_dir`` is a curator-only run directory
+(``dporl.train.run_dir``, with its ``provenance.json``): an existing one is refused (mode "new"), reused when it
+holds this very generation (mode "resume"; ``expert_cql``'s ``data.generate`` uses this), or replaced ("overwrite").
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
+from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
-from dporl.utils.io import atomic_write_json
 from dporl.utils.validation import ValidationError, check_positive
 
 
@@ -48,10 +50,14 @@ class DatasetConfig:
                 raise ValidationError(name, f"must be >= 1, got {getattr(self, name)}")
 
 
-def run(config: DatasetConfig) -> dict[str, Any]:
+def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     out_dir = Path(config.out_dir)
+    run_dir = RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True)
+    if run_dir.finished:  # this very generation is already on disk
+        return run_dir.read_summary()
     # Refuse an impossible p_min before spending minutes to hours on experts.
     check_p_min(config.p_min, _action_count(config.experts.env_id, config.experts.env_kwargs), config.softening)
+    run_dir.begin()
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if config.expert_set_path is None:
@@ -91,12 +97,12 @@ def run(config: DatasetConfig) -> dict[str, Any]:
         "dataset_summary": dataset.summary(),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
-    atomic_write_json(out_dir / "summary.json", summary)
     series = {"mean logged return (softened, default env)": (list(range(len(logged))), sorted(logged), None)}
     if eval_returns:
         series["greedy return on own setting"] = (list(range(len(eval_returns))), sorted(eval_returns), None)
     plot_lines(out_dir / "expert_returns.png", series, xlabel="expert (sorted)", ylabel="episodic return",
                title=f"{expert_set.n_experts} experts, {config.experts.env_id}")
+    run_dir.write_summaries(None, summary)  # written last: marks the generation complete
     print(f"dataset: {dataset.n_episodes} episodes / {dataset.n_transitions} transitions from "
           f"{expert_set.n_experts} experts (p_min={expert_set.p_min}, {config.softening}) in "
           f"{timings['experts_s']:.1f}s + {timings['logging_s']:.1f}s; mean logged return "

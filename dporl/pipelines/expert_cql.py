@@ -17,12 +17,19 @@ beside the guarantee, labelled as not one). Training runs for as many steps as t
 composition and one joint PLD over both stages).
 
 Evaluation (returns of the greedy Q-policy in the public environment) is post-processing and costs nothing.
+
+Run directory (``dporl.train.run_dir``): ``RUN/release/`` receives what the guarantee covers (the greedy policy in
+``policy/``, D_stable, the release's public parameters, the privacy report, the public summary and public
+TensorBoard scalars); ``RUN/curator/`` everything else (provenance, the journal, checkpoints, D_unstable, the
+release's per-run diagnostics, the full summary, generated data by default). All secret randomness of a run comes
+from one ``SecretRoot`` (``noise_seed``, else 256 bits from the OS CSPRNG): streams "release/laplace",
+"release/expert_choice", "train/sampler", "train/noise". The whole run has the budget (``epsilon``, ``delta``): the
+ledger refuses any stage or state that would take the guarantee past it.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -33,24 +40,26 @@ from dporl.algos.cql import CQLConfig, DiscreteCQL
 from dporl.algos.stable_prefix import (
     RELEASE_STAGE,
     StablePrefixConfig,
-    StablePrefixRelease,
+    check_release_preconditions,
     release_stable_prefixes,
 )
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
-from dporl.logging import RunLogger
 from dporl.pipelines import Pipeline, get_pipeline, register
 from dporl.privacy.accountants import paper_mixture_epsilon
 from dporl.privacy.ledger import PrivacyLedger
-from dporl.privacy.noise import NoiseSource
+from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
+from dporl.privacy.sparse_vector import stable_prefix_budget
 from dporl.train.config import DPConfig, TrainerConfig
-from dporl.train.trainer import Trainer
+from dporl.train.export import save_policy
+from dporl.train.run_dir import RunDirectory, RunMode
+from dporl.train.trainer import Trainer, plan_privacy
 from dporl.utils.config import from_dict, to_dict
-from dporl.utils.io import atomic_torch_save, atomic_write_json
-from dporl.utils.seeding import make_generator
-from dporl.utils.validation import ValidationError, check_positive, check_probability
+from dporl.utils.io import atomic_write_json
+from dporl.utils.seeding import seeded
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 Method = Literal["non_private", "dp_sgd", "stable_only", "mixed"]
 TRAIN_STAGE = "train"
@@ -64,7 +73,9 @@ class DataConfig:
 
     dataset: Optional[str] = None  # TrajectoryDataset .npz
     expert_set: Optional[str] = None  # ExpertSet file; default: the path recorded in the dataset's metadata
-    generate: Optional[dict[str, Any]] = None  # a "dataset" pipeline config (pipeline key optional)
+    # A "dataset" pipeline config (pipeline key optional). Its out_dir defaults to RUN/curator/data; an out_dir
+    # that already holds the same generation is reused, one holding another generation is refused (never rewritten).
+    generate: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if (self.dataset is None) == (self.generate is None):
@@ -148,17 +159,46 @@ class ExpertCQLConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def generate_dataset(generate: dict[str, Any]) -> tuple[str, str]:
-    """Run the "dataset" pipeline with config ``generate``; (dataset path, expert set path)."""
+def dataset_config(generate: dict[str, Any], out_dir: Optional[str | Path] = None):
+    """The "dataset" pipeline config of ``generate`` (validated: errors are named before anything is written)."""
     generator = get_pipeline("dataset")
-    outputs = generator.run(from_dict(generator.config_cls, {"pipeline": "dataset", **generate}))
+    data = {"pipeline": "dataset", **generate}
+    if out_dir is not None and "out_dir" not in generate:
+        data["out_dir"] = str(out_dir)
+    return generator, from_dict(generator.config_cls, data)
+
+
+def check_generation(generate: dict[str, Any], out_dir: Optional[str | Path] = None, replaced: Optional[Path] = None) -> None:
+    """Refuse, writing nothing, a generation whose config is invalid or whose out_dir holds another generation
+    (unless that out_dir lies inside ``replaced``, a run directory --overwrite is about to remove)."""
+    _, config = dataset_config(generate, out_dir)
+    if replaced is not None and Path(config.out_dir).resolve().is_relative_to(replaced.resolve()):
+        return
+    try:
+        RunDirectory(config.out_dir, pipeline="dataset", config=to_dict(config), mode="resume", curator_only=True)
+    except ValidationError as exc:
+        if exc.field != "run_dir":
+            raise
+        raise ValidationError("data.generate.out_dir", str(exc).split(": ", 1)[1]) from None
+
+
+def generate_dataset(generate: dict[str, Any], out_dir: Optional[str | Path] = None) -> tuple[str, str]:
+    """Run the "dataset" pipeline with config ``generate``; (dataset path, expert set path).
+
+    Its out_dir (``generate.out_dir``, else ``out_dir``) is reused when it holds this very generation (same config)
+    and refused when it holds another one: logged data are never overwritten by a changed config.
+    """
+    check_generation(generate, out_dir)
+    generator, config = dataset_config(generate, out_dir)
+    outputs = generator.run(config, mode="resume")
     return outputs["dataset"], outputs["expert_set"]
 
 
-def load_data(config: DataConfig) -> tuple[TrajectoryDataset, Optional[ExpertSet]]:
-    """The logged dataset and, when one is known, the expert set that logged it."""
+def load_data(config: DataConfig, out_dir: Optional[str | Path] = None) -> tuple[TrajectoryDataset, Optional[ExpertSet]]:
+    """The logged dataset and, when one is known, the expert set that logged it (``out_dir``: where a generated
+    dataset goes when ``generate`` names no out_dir)."""
     if config.generate is not None:
-        dataset_path, expert_path = generate_dataset(config.generate)
+        dataset_path, expert_path = generate_dataset(config.generate, out_dir)
         expert_path = config.expert_set or expert_path
     else:
         dataset_path, expert_path = config.dataset, config.expert_set
@@ -190,19 +230,42 @@ def uniform_source(dataset: TrajectoryDataset, batch_size: int, what: str) -> Un
 
 
 # ---------------------------------------------------------------------------------------------------- release
+_PUBLIC_RELEASE_KEYS = ("trajectories_processed", "stable_episodes", "stable_transitions", "epsilon_prime", "beta",
+                        "threshold", "noise_scale")
+
+
 def run_release(
     dataset: TrajectoryDataset,
     experts: Optional[ExpertSet],
     budget: tuple[float, float],
     config: ExpertCQLConfig,
     ledger: PrivacyLedger,
-    out_dir: Path,
-) -> StablePrefixRelease | tuple[TrajectoryDataset, TrajectoryDataset]:
-    """Stable/unstable split; reused from ``out_dir`` when a previous attempt of this run already paid for it."""
-    ledger_file = out_dir / "ledger.pt"
-    if ledger_file.exists():  # the release happened (and was recorded) before an interruption: never redo it
-        ledger.load_state_dict(torch.load(ledger_file, weights_only=False))
-        return TrajectoryDataset.load(out_dir / "d_stable.npz"), TrajectoryDataset.load(out_dir / "d_unstable.npz")
+    run: RunDirectory,
+    root: SecretRoot,
+) -> tuple[TrajectoryDataset, TrajectoryDataset, dict[str, Any]]:
+    """(D_stable, D_unstable, the release's public summary); a paid release of this run is reused, never repeated.
+
+    Order (write-ahead): the release stage's T events are journaled before any query is answered (the ledger is
+    the run's journaled ledger), then the artifacts are written (D_stable to release/, the rest to curator/), then
+    the journal marks the release complete with the artifacts' fingerprints. A resumed run reuses a complete
+    release after checking those fingerprints; an attempt that was authorised but never completed has spent its
+    budget, and a second release is refused rather than left uncounted.
+    """
+    manifest = run.completed(RELEASE_STAGE)
+    if manifest is not None:
+        stable = TrajectoryDataset.load(run.release / "d_stable.npz")
+        unstable = TrajectoryDataset.load(run.curator / "d_unstable.npz")
+        if (stable.fingerprint(), unstable.fingerprint()) != (manifest["d_stable"], manifest["d_unstable"]):
+            raise ValidationError("release", f"the release files in {run.root} differ from the release its journal "
+                                  "recorded: refusing to train on them")
+        return stable, unstable, manifest["public"]
+    if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
+        raise PrivacyBudgetError(
+            "release",
+            f"an earlier attempt of this run authorised the stable-prefix release (its events are charged in "
+            f"{run.journal_path}) but did not finish writing it; a second release would not fit the budget. Start a "
+            "new run_dir (or --overwrite: the interrupted attempt's spend is then not part of the new guarantee)",
+        )
     if experts is None:
         raise ValidationError("data.expert_set", "the stable-prefix release needs the expert set that logged the data")
     result = release_stable_prefixes(
@@ -211,15 +274,25 @@ def run_release(
         epsilon=budget[0],
         delta=budget[1],
         config=config.release,
-        noise=NoiseSource(config.noise_seed),
+        noise=root.noise("release/laplace"),
         # Which expert and trajectory each run takes is part of the mechanism's randomness (Lemma 5.1 is over the
-        # uniform choice of expert): it must be as secret as the Laplace noise, so it is seeded like the noise.
-        generator=make_generator(secrets.randbits(63) if config.noise_seed is None else config.noise_seed + 2),
+        # uniform choice of expert): as secret as the Laplace noise, from its own stream of the run's root.
+        generator=root.torch_generator("release/expert_choice"),
         ledger=ledger,
     )
-    result.save(out_dir)
-    atomic_torch_save(ledger_file, ledger.state_dict())  # written last: marks the release as done and paid
-    return result
+    summary = result.summary()
+    public = {key: summary[key] for key in _PUBLIC_RELEASE_KEYS}
+    result.stable.save(run.release / "d_stable.npz")
+    atomic_write_json(run.release / "release.json", public)
+    result.unstable.save(run.curator / "d_unstable.npz")
+    atomic_write_json(run.curator / "release.json", {
+        **summary,
+        "curator_processed_episodes": result.processed_episodes.tolist(),
+        "curator_prefix_lengths": result.prefix_lengths.tolist(),
+    })
+    run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint(),
+                                 "d_unstable": result.unstable.fingerprint()})
+    return result.stable, result.unstable, public
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -229,7 +302,12 @@ def make_eval_env(config: EvalConfig, dataset_env_id: str):
     import dporl.envs  # noqa: F401  (registers dporl/* environments)
 
     kwargs = {} if config.max_episode_steps is None else {"max_episode_steps": config.max_episode_steps}
-    return gym.make_vec(config.env_id or dataset_env_id, num_envs=config.num_envs, vectorization_mode="sync", **kwargs)
+    env_id = config.env_id or dataset_env_id
+    try:
+        return gym.make_vec(env_id, num_envs=config.num_envs, vectorization_mode="sync", **kwargs)
+    except (gym.error.Error, ModuleNotFoundError, ImportError) as exc:  # unknown id, missing extra (box2d)
+        field = "eval.env_id" if config.env_id else "dataset.metadata.env_id"
+        raise ValidationError(field, f"cannot make evaluation environment {env_id!r}: {exc}") from None
 
 
 def returns_evaluator(config: EvalConfig, env_id: str):
@@ -243,24 +321,79 @@ def returns_evaluator(config: EvalConfig, env_id: str):
 
 
 # ---------------------------------------------------------------------------------------------------- run
-def run(config: ExpertCQLConfig) -> dict:
-    run_dir = Path(config.run_dir)
-    dataset, experts = load_data(config.data)
+def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
+    """One expert_cql run in ``config.run_dir`` (``mode``: see ``dporl.train.run_dir``); returns the public summary.
+
+    Every check (config hash, input hashes, data, evaluation environment, network sizes) happens before the first
+    write; a finished run with the same provenance is read back, not repeated.
+    """
+    run = RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode)
+    if config.data.generate is not None:
+        replaced = run.root if run.mode == "overwrite" and run.existing else None
+        check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
+        run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
+    dataset, experts = load_data(config.data, run.curator / "data")
     meta = dataset.metadata
     if len(meta.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")
+    run.check_inputs(dataset=dataset.fingerprint(), **({"expert_set": experts.fingerprint()} if experts else {}))
+    if run.finished:
+        return run.read_summary()
     budgets = config.stage_budgets()
-    ledger = PrivacyLedger()
+    sigma = _preflight(config, dataset, experts, budgets)
+    with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
+        algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit="expert")
+    evaluate, env = returns_evaluator(config.eval, meta.env_id)
+    try:
+        run.begin()
+        root = SecretRoot(config.noise_seed)
+        ledger = run.ledger(budget=(config.epsilon, config.delta) if budgets else None)
+        summary = _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorithm, evaluate, env)
+    finally:
+        env.close()
+    return summary
 
-    release_summary = None
+
+def _train_dp_config(config: ExpertCQLConfig, budget: tuple[float, float], sigma: Optional[float] = None) -> DPConfig:
+    return DPConfig(
+        epsilon=budget[0],
+        delta=budget[1],
+        noise_multiplier=config.dp.noise_multiplier if sigma is None else sigma,
+        max_grad_norm=config.dp.max_grad_norm,
+        accountant=config.dp.accountant,
+        clipping=config.dp.clipping,
+    )
+
+
+def _preflight(
+    config: ExpertCQLConfig, dataset: TrajectoryDataset, experts: Optional[ExpertSet], budgets
+) -> Optional[float]:
+    """Every refusal the run can know before it spends anything, raised before its first write: the batch size,
+    the release's preconditions and budget, and whether one training step fits the training budget. Returns the
+    training stage's noise multiplier (calibrated here once when the config leaves it to the budget)."""
+    m = dataset.metadata.n_experts
     if RELEASE_STAGE in budgets:
-        released = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run_dir / "release")
-        if isinstance(released, StablePrefixRelease):
-            release_summary = released.summary()
-            stable, unstable = released.stable, released.unstable
-        else:
-            stable, unstable = released
-        print(f"stable-prefix release: {stable.n_transitions} stable / {unstable.n_transitions} unstable transitions")
+        if experts is None:
+            raise ValidationError("data.expert_set", "the stable-prefix release needs the expert set that logged the data")
+        eps1, delta1 = budgets[RELEASE_STAGE]
+        p_min = check_release_preconditions(dataset, experts, config.release)
+        stable_prefix_budget(eps1, delta1, config.release.trajectories, p_min, m, monotone=config.release.monotone)
+    if TRAIN_STAGE in budgets:
+        private = expert_source(dataset, m, config)  # the sampling rate B / m does not depend on which rows
+        source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
+        return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps,
+                            source.step_event)[0]
+    return None
+
+
+def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorithm, evaluate, env) -> dict:
+    meta = dataset.metadata
+    release_public = None
+    if RELEASE_STAGE in budgets:
+        stable, unstable, release_public = run_release(
+            dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root
+        )
+        print(f"stable-prefix release: {stable.n_transitions} stable transitions released")
     else:
         stable, unstable = None, dataset
 
@@ -276,60 +409,60 @@ def run(config: ExpertCQLConfig) -> dict:
             if config.method == "dp_sgd"
             else MixtureSource(config.dp.p_dp, private, uniform_source(stable, config.batch_size, "D_stable"))
         )
-        eps2, delta2 = budgets[TRAIN_STAGE]
-        dp = DPConfig(
-            epsilon=eps2,
-            delta=delta2,
-            noise_multiplier=config.dp.noise_multiplier,
-            max_grad_norm=config.dp.max_grad_norm,
-            accountant=config.dp.accountant,
-            clipping=config.dp.clipping,
-            noise_seed=None if config.noise_seed is None else config.noise_seed + 1,
-        )
+        dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma)
 
-    algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit="expert")
     pipeline_config = {**to_dict(config), "resolved": {"env_id": config.eval.env_id or meta.env_id}}
-    evaluate, env = returns_evaluator(config.eval, meta.env_id)
-    try:
-        result = Trainer(
-            algorithm,
-            source,
-            config=config.trainer,
-            dp=dp,
-            ledger=ledger,
-            run_dir=run_dir,
-            pipeline="expert_cql",
-            pipeline_config=pipeline_config,
-            stage=TRAIN_STAGE,
-            evaluators={"eval": evaluate},
-        ).fit()
-    finally:
-        env.close()
+    result = Trainer(
+        algorithm,
+        source,
+        config=config.trainer,
+        dp=dp,
+        ledger=ledger,
+        run_dir=run,
+        pipeline="expert_cql",
+        pipeline_config=pipeline_config,
+        stage=TRAIN_STAGE,
+        evaluators={"eval": evaluate},
+        public_evaluators=("eval",),  # returns of the released iterate in the public simulator
+        secret_root=root,
+    ).fit()
 
     report = ledger.report()
+    privacy = report.to_dict()
     returns = [metrics["eval/return_mean"] for _, metrics in result.eval_history if "eval/return_mean" in metrics]
     last = returns[-config.eval.last_evals :]
-    summary = {
+    env_id = config.eval.env_id or meta.env_id
+    save_policy(
+        algorithm, run.policy_dir, env_id=env_id, observation_space=env.single_observation_space,
+        action_space=env.single_action_space,
+        privacy={"guarantee": privacy["guarantee"], "void": privacy["void"], "text": privacy["text"]},
+        extra={"pipeline": "expert_cql", "method": config.method, "max_episode_steps": config.eval.max_episode_steps},
+    )
+    public = {
+        "pipeline": "expert_cql",
         "method": config.method,
+        "budget": {"epsilon": config.epsilon, "delta": config.delta},
+        "env_id": env_id,
         "steps": result.steps,
         "noise_multiplier": result.noise_multiplier,
-        "final_metrics": result.metrics,
+        "final_metrics": result.public_metrics,
         "return_mean_last_evals": sum(last) / len(last) if last else math.nan,
-        "release": release_summary,
+        "release": release_public,
         "stable_transitions": None if stable is None else int(stable.n_transitions),
-        "privacy": report.to_dict(),
+        "privacy": privacy,
         "paper_mixture_epsilon_NOT_A_GUARANTEE": _paper_figure(config, source, result),
-        "run_dir": str(run_dir),
-        "config": to_dict(config),
+        "policy": "policy/",
     }
-    atomic_write_json(run_dir / "expert_cql_summary.json", summary)
+    run.write_summaries(public, {**public, "run_dir": str(run.root), "config": to_dict(config), "inputs": run.inputs,
+                                 "final_metrics_all": result.metrics})
     print(report.describe() if report.stages else "NO PRIVACY GUARANTEE: non-private baseline (method non_private)")
-    if summary["paper_mixture_epsilon_NOT_A_GUARANTEE"] is not None:
+    if public["paper_mixture_epsilon_NOT_A_GUARANTEE"] is not None:
         print(
             f"paper's accounting of the training stage (rate p_dp * q; NOT a guarantee: the branch is observable): "
-            f"eps={summary['paper_mixture_epsilon_NOT_A_GUARANTEE']:.4g}"
+            f"eps={public['paper_mixture_epsilon_NOT_A_GUARANTEE']:.4g}"
         )
-    return summary
+    print(f"release (safe to share): {run.release}; curator-only (never share): {run.curator}")
+    return public
 
 
 def _paper_figure(config: ExpertCQLConfig, source: Any, result) -> Optional[float]:
@@ -347,28 +480,4 @@ def _paper_figure(config: ExpertCQLConfig, source: Any, result) -> Optional[floa
     )
 
 
-def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) -> dict:
-    """evaluate.py: rebuild the Q-network from a checkpoint, run ``episodes`` episodes, write JSON + TensorBoard."""
-    config = from_dict(ExpertCQLConfig, {k: v for k, v in payload["config"].items() if k != "resolved"})
-    eval_config = from_dict(EvalConfig, {**to_dict(config.eval), "episodes": episodes, "seed": seed})
-    env = make_eval_env(eval_config, payload["config"]["resolved"]["env_id"])
-    try:
-        obs_dim = int(env.single_observation_space.shape[0])
-        algorithm = DiscreteCQL(obs_dim, int(env.single_action_space.n), config.cql)
-        algorithm.load_state_dict(payload["algorithm"])
-        algorithm.eval()
-        stats = evaluate_returns(algorithm.act, env, episodes, seed)
-    finally:
-        env.close()
-    ledger = PrivacyLedger()
-    ledger.load_state_dict(payload["ledger"])
-    metrics = {**stats.to_dict(), "step": payload["step"], "privacy": ledger.report().to_dict()["guarantee"]}
-    out_dir = Path(out_dir)
-    atomic_write_json(out_dir / "eval.json", {**metrics, "returns": stats.returns})
-    logger = RunLogger(out_dir / "eval")
-    logger.scalars({f"eval/{k}": v for k, v in stats.to_dict().items()}, payload["step"])
-    logger.close()
-    return metrics
-
-
-register(Pipeline("expert_cql", ExpertCQLConfig, run, evaluate))
+register(Pipeline("expert_cql", ExpertCQLConfig, run))

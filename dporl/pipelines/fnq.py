@@ -46,6 +46,7 @@ from dporl.privacy.functional_calibration import (
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.io import atomic_write_json, atomic_write_text
@@ -280,7 +281,7 @@ def _run_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, bounds, obs_di
     result = trainer.fit()
     eval_env.close()
     released = algorithm.release(None if config.noise_seed is None else NoiseSource(seed + 7))
-    save_noisy_q(run_dir / "released.pt", released, {"label": spec.label, "privacy": result.privacy})
+    save_noisy_q(run_dir / "release" / "released.pt", released, {"label": spec.label, "privacy": result.privacy})
     curve = [(step * config.steps_per_update, metrics[RETURN_KEY]) for step, metrics in result.eval_history]
     curve_q = [(step * config.steps_per_update, metrics[RETURN_Q_KEY]) for step, metrics in result.eval_history]
     if privacy is None and dp is not None:
@@ -348,7 +349,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
+def _plots(config: FNQPipelineConfig, rows: list[dict], out_dir: Path) -> list[str]:
     out, groups = [], {}
     for row in rows:
         if config.epsilons:
@@ -363,29 +364,37 @@ def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
         series.update({f"{r['label']} (Q_theta)": (r["curve_x"], r["curve_q_mean"], None)
                        for r in reference + group if r["sigma"] > 0})
         title = f"{config.env_id}: " + (f"eps = {key}, delta = {config.delta:g}" if config.epsilons else key)
-        path = Path(config.run_dir) / f"curves_{'eps' if config.epsilons else ''}{key}.png"
+        path = out_dir / f"curves_{'eps' if config.epsilons else ''}{key}.png"
         plot_lines(path, series, xlabel="samples", ylabel="return (mean +- 1 std over seeds)", title=title)
         out.append(str(path))
     return out
 
 
-def run(config: FNQPipelineConfig) -> dict:
+def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
+    directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
     bounds = _state_bounds(config)
     probe = _make_env(config)
     obs_dim, n_actions = int(np.prod(probe.observation_space.shape)), int(probe.action_space.n)
     probe.close()
     plan = _plan(config)
+    for spec in plan:  # calibrations (and their refusals) before the first write
+        if spec.method == "fnq" and spec.epsilon is not None:
+            if obs_dim != 1:
+                raise ValidationError("epsilons", "Theorem 5 is proven for one-dimensional states; run a sweep instead")
+            _calibrate(config, spec)
+    directory.begin()  # each (method, seed) below is a Trainer run directory of its own under run_dir
     runs = []
     for spec, seed in tqdm([(s, k) for s in plan for k in config.seeds], desc="fnq runs", disable=not config.progress):
         runs.append(_run_one(config, spec, seed, bounds, obs_dim, n_actions))
     rows = _summarise(runs)
-    run_dir = Path(config.run_dir)
+    # Under reward-level privacy the returns are computed from the protected rewards: curator-only.
+    run_dir = directory.curator
     table = _table(rows)
     atomic_write_text(run_dir / "table.md", table)
-    plots = _plots(config, rows)
+    plots = _plots(config, rows, run_dir)
     atomic_write_json(run_dir / "results.json", {"config": to_dict(config), "rows": rows, "runs": runs})
     return {"table": table, "plots": plots, "rows": [{k: v for k, v in r.items() if not k.startswith("curve")}
                                                        for r in rows]}
@@ -400,7 +409,7 @@ def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) ->
     from dporl.eval.returns import evaluate_returns
 
     config = from_dict(FNQPipelineConfig, {k: v for k, v in payload["config"].items() if k != "run"})
-    released = Path(out_dir) / "released.pt"
+    released = Path(out_dir) / "release" / "released.pt"
     if not released.exists():
         raise ValidationError("checkpoint", f"no released function at {released}")
     function, metadata = load_noisy_q(released)

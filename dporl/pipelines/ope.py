@@ -40,6 +40,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.samplers import FixedSizeSource, PoissonUnitSource
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer
 from dporl.utils.config import to_dict
 from dporl.utils.io import atomic_write_json, atomic_write_text
@@ -623,7 +624,7 @@ def run_gpope(
         source,
         config=TrainerConfig(
             max_steps=steps, seed=run_info.get("trial", 0), log_every=max(1, steps // 20), eval_every=steps,
-            checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False, resume=True,
+            checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False,
             optimizer=OptimizerConfig(
                 name="sgd", lr=step_size, schedule=settings.schedule, time_offset=settings.time_offset
             ),
@@ -689,12 +690,14 @@ def _lsl_lambda_scale(config: OPEConfig, problem: FiniteProblem, public: dict, m
 
 
 # --------------------------------------------------------------------------------------------- the experiment
-def run(config: OPEConfig) -> dict[str, Any]:
+def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
     run_dir = Path(config.run_dir)
+    directory = RunDirectory(run_dir, pipeline="ope", config=to_dict(config), mode=mode)
     problem = build_problem(config)
+    directory.begin()  # each GPOPE release below is a Trainer run directory of its own under run_dir
     gp = config.gpope
     op_methods = config.output_perturbation.methods if problem.finite else []
     rows: list[dict[str, Any]] = []
@@ -738,7 +741,8 @@ def run(config: OPEConfig) -> dict[str, Any]:
                                                  _noise_seed(config, m, trial, 100 + j))
                 rows.append({"method": method, "m": m, "trial": trial, **result})
     progress.close()
-    return _write_results(config, run_dir, rows, tuned)
+    # The tables hold non-private references (LSTD on the private data): curator-only.
+    return _write_results(config, directory.curator, rows, tuned)
 
 
 def _aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
     python -m dporl.pipelines.sweep --config configs/sweep_cartpole.yaml [key=value ...]
 
-Every run is an ordinary expert_cql run in ``out_dir/<method>/eps_<eps>/seed_<seed>``; a run whose summary already
-exists is read back, not repeated (an interrupted sweep resumes). ``non_private`` ignores the budget, so it runs once
+Every run is an ordinary expert_cql run in ``out_dir/<method>/eps_<eps>/seed_<seed>``. An existing run directory is
+resumed only if its provenance (config and input hashes) equals the run's: a finished one is read back, not
+repeated, an interrupted one continues, and one of another configuration is recorded as an error (never reused). ``non_private`` ignores the budget, so it runs once
 per seed and appears as a flat line. A run refused by its configuration (e.g. a release that no threshold makes
 private at a small eps, the paper's reason to fall back to DP-SGD there) is recorded with its reason, not retried.
 Each cell of the table is the mean over seeds of the run's ``return_mean_last_evals`` with a Student-t interval
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register, run_cli
 from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
-from dporl.utils.config import apply_overrides, from_dict, load_yaml, to_dict
+from dporl.utils.config import apply_overrides, from_dict, load_yaml
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
 
@@ -121,18 +121,12 @@ def run(config: SweepConfig) -> dict:
 
 
 def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQLConfig) -> dict[str, Any]:
-    summary_path = Path(run_config.run_dir) / "expert_cql_summary.json"
     row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
     try:
-        if summary_path.exists():
-            summary = json.loads(summary_path.read_text())
-            if summary.get("config") != json.loads(json.dumps(to_dict(run_config))):
-                raise ValidationError("out_dir", f"{run_config.run_dir} holds a run of another configuration; "
-                                      "use a new out_dir")
-        else:
-            summary = run_expert_cql(run_config)
+        mode = "resume" if Path(run_config.run_dir).exists() else "new"
+        summary = run_expert_cql(run_config, mode=mode)
     except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
         row["error"] = str(exc)
         return row

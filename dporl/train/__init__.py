@@ -1,1 +1,2 @@
-"""The one training loop every dporl algorithm runs through, its configs and checkpoints."""
+"""The one training loop every dporl algorithm runs through, its configs, weights-only checkpoints, run directories
+(release/ vs curator/, provenance, the privacy journal) and policy export."""

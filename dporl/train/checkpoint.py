@@ -1,25 +1,37 @@
-"""Atomic checkpoints and the write-ahead privacy journal.
+"""Atomic, weights-only checkpoints (curator-only: they hold the secret generators' states).
 
-The journal records how many privacy-costing steps have been *authorised* before they run. A run killed between
-two checkpoints may have released information from steps after the last checkpoint (TensorBoard scalars,
-evaluations of its iterates); on resume those steps are counted again as spent, so the ledger never under-counts.
+A checkpoint is one torch file of tensors and plain containers (numbers, strings, lists, dicts), read back with
+``torch.load(weights_only=True)``: a file carrying a pickled object is refused, never executed. Generator states
+are the uint8 tensors torch exposes; no global RNG state is stored (dporl draws only from explicit generators).
+It records the provenance of the run that wrote it (the trainer's config hash) and is loaded only by that run.
+
+The privacy spend is not in the checkpoint: the run's write-ahead journal (``dporl.train.run_dir``) holds every
+authorised event, and recovery charges them as recorded.
 """
 
 from __future__ import annotations
 
-import json
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dporl.utils.io import atomic_torch_save, atomic_write_json
+from dporl.utils.io import atomic_torch_save, load_weights
 from dporl.utils.validation import ValidationError
 
-CHECKPOINT_FORMAT = 1
-_REQUIRED_KEYS = ("format", "pipeline", "config", "step", "budget_steps", "algorithm", "optimizer", "ledger", "rng")
+CHECKPOINT_FORMAT = 2
+_REQUIRED_KEYS = {
+    "format": int,
+    "pipeline": str,
+    "config_sha256": str,
+    "step": int,
+    "budget_steps": int,
+    "algorithm": dict,
+    "optimizer": dict,
+    "scheduler": dict,
+    "eval_history": list,
+    "rng": dict,
+}
 
 
 def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
@@ -31,35 +43,18 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's payload, weights-only; anything else (corrupt, truncated, foreign, pickled code) is refused."""
     path = Path(path)
-    if not path.is_file():
-        raise ValidationError("checkpoint", f"file not found: {path}")
-    try:
-        # Checkpoints hold RNG states (numpy / python tuples), hence weights_only=False: load only your own files.
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise ValidationError("checkpoint", f"{path} is corrupt or truncated: {exc}") from None
+    payload = load_weights(path, "checkpoint")
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise ValidationError("checkpoint", f"{path} is not a dporl checkpoint (format {CHECKPOINT_FORMAT})")
-    missing = [k for k in _REQUIRED_KEYS if k not in payload]
-    if missing:
-        raise ValidationError("checkpoint", f"{path} lacks {missing}")
+    for key, kind in _REQUIRED_KEYS.items():
+        if key not in payload:
+            raise ValidationError("checkpoint", f"{path} lacks {key!r}")
+        if not isinstance(payload[key], kind) or (kind is int and isinstance(payload[key], bool)):
+            raise ValidationError(f"checkpoint.{key}", f"expected {kind.__name__}, got {type(payload[key]).__name__}")
+    if not 0 <= payload["step"] <= payload["budget_steps"]:
+        raise ValidationError("checkpoint", f"{path} holds inconsistent step counts")
+    if not isinstance(payload["rng"].get("sampler"), torch.Tensor):
+        raise ValidationError("checkpoint.rng", f"{path} holds no sampler generator state")
     return payload
-
-
-def read_journal(path: str | Path) -> int:
-    """Steps authorised so far (0 when there is no journal)."""
-    path = Path(path)
-    if not path.exists():
-        return 0
-    try:
-        authorised = json.loads(path.read_text())["authorised_steps"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValidationError("journal", f"{path} is corrupt ({exc}); refusing to guess how much budget was spent")
-    if not isinstance(authorised, int) or authorised < 0:
-        raise ValidationError("journal", f"{path} holds an invalid step count {authorised!r}")
-    return authorised
-
-
-def write_journal(path: str | Path, authorised_steps: int) -> None:
-    atomic_write_json(path, {"authorised_steps": int(authorised_steps)})

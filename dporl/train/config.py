@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from dporl.utils.device import resolve_device
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
@@ -35,8 +36,9 @@ class DPConfig:
     max_grad_norm: float = 1.0
     accountant: Literal["rdp", "prv", "pld"] = "rdp"
     clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
-    # None draws secret seeds for the noise and for the private sampling: anyone who knows the noise seed can
-    # subtract the noise, and anyone who knows which units a step sampled voids the subsampling amplification.
+    # None: the run's secret root comes from the OS CSPRNG. An integer (>= 128 bits of it for a real release)
+    # reproduces the run exactly and must be kept like the data: anyone who knows it can subtract the noise and
+    # knows which units each step sampled. Pipelines pass their run's SecretRoot to the Trainer instead.
     noise_seed: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -62,8 +64,11 @@ class TrainerConfig:
     journal_every: int = 50
     device: str = "cpu"
     progress: bool = True
-    # Raw losses / gradient norms of private batches in TensorBoard (curator-only, not covered by the guarantee).
-    curator_diagnostics: bool = True
+    # Raw losses / gradient norms / step timings of private batches, in RUN/curator/tensorboard only: computed
+    # without noise, NOT covered by the guarantee, never in release/. Off unless asked for.
+    curator_diagnostics: bool = False
+    # Library use: a Trainer given a path continues its own earlier run found there (same provenance) or refuses.
+    # Whole run directories are governed by train.py's --resume / --overwrite (RunDirectory modes).
     resume: bool = True
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
 
@@ -73,3 +78,4 @@ class TrainerConfig:
         for name in ("log_every", "eval_every", "checkpoint_every", "journal_every"):
             if getattr(self, name) < 1:
                 raise ValidationError(f"trainer.{name}", f"must be >= 1, got {getattr(self, name)}")
+        resolve_device(self.device, "trainer.device")  # refused at parse time: before anything is written

@@ -3,7 +3,18 @@
 Every algorithm (private CQL, GPOPE, functional-noise Q-learning, their baselines) trains here. The loop owns:
 sampling (a batch source from ``dporl.privacy.samplers``), the DP-SGD engine, the privacy ledger, the budget
 (private runs take the largest number of steps whose accounted epsilon fits the stage budget, never more),
-evaluation hooks, TensorBoard, checkpoint / resume and seeding.
+evaluation hooks, TensorBoard, checkpoint / resume and the run's secret streams.
+
+Where things go (``dporl.train.run_dir``): the run directory's ``release/`` receives the privacy report, the public
+scalars (evaluators named in ``public_evaluators``, e.g. returns in the public simulator; privacy spent; the
+learning rate) and a public summary; ``curator/`` receives the checkpoints (with generator states), the privacy
+journal, the full summary and, only with ``trainer.curator_diagnostics``, TensorBoard diagnostics computed from
+private batches without noise. Evaluators not named public are curator-only.
+
+Privacy randomness: the private sampler and the DP noise are the streams ``"<stage>/sampler"`` and
+``"<stage>/noise"`` of one ``SecretRoot`` (the pipeline's, shared with its other mechanisms, or one made from
+``dp.noise_seed``). The journal (the ledger's write-ahead log) authorises blocks of ``journal_every`` steps before
+they run; on resume every authorised step is charged as recorded, run or not.
 
 An algorithm is an ``nn.Module`` with a ``privacy_unit`` and either
 ``row_losses(batch) -> Tensor[n_rows]`` (autograd; the engine clips per unit) or
@@ -20,22 +31,25 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from dporl.logging import CURATOR_PREFIX, RunLogger
-from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
+from dporl.privacy.calibration import STEP_SEARCH_LIMIT, calibrate_noise_multiplier, max_steps
 from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
-from dporl.privacy.noise import NoiseSource, secret_generator
+from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.units import as_unit
-from dporl.train.checkpoint import load_checkpoint, read_journal, save_checkpoint, write_journal
+from dporl.train.checkpoint import load_checkpoint, save_checkpoint
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.run_dir import RunDirectory, config_sha256
+from dporl.utils.config import to_dict
+from dporl.utils.device import resolve_device
 from dporl.utils.io import atomic_write_json
-from dporl.utils.seeding import global_rng_state, make_generator, seed_everything, set_global_rng_state
+from dporl.utils.seeding import public_generator
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 Evaluator = Callable[[nn.Module], Mapping[str, float]]
@@ -46,10 +60,11 @@ class TrainResult:
     steps: int  # optimizer steps taken by the returned model
     budget_steps: int  # privacy-costing steps counted by the ledger (>= steps after an interruption)
     noise_multiplier: Optional[float]
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # every metric of the last evaluation (curator view)
     privacy: dict[str, Any]
     run_dir: Path
     eval_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    public_metrics: dict[str, float] = field(default_factory=dict)  # the public part of ``metrics``
 
 
 def build_optimizer(params: Sequence[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -67,8 +82,43 @@ def _lr_factor(config: OptimizerConfig) -> Callable[[int], float]:
     return lambda step: 1.0 / (step + 1 + config.time_offset)
 
 
+def plan_privacy(
+    dp: Optional[DPConfig], cap: Optional[int], step_event: Callable[[float], Optional[PrivacyEvent]]
+) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
+    """(noise multiplier, per-step event, steps allowed) of a training stage whose source states ``step_event``.
+
+    Pure: pipelines call it before their first write, so an impossible budget is refused with nothing written.
+    """
+    if dp is None or not dp.enabled:
+        if cap is None:
+            raise ValidationError("trainer.max_steps", "a non-private run needs a step cap")
+        return None, None, cap
+    sigma = dp.noise_multiplier
+    if sigma is None:
+        if cap is None:
+            raise ValidationError(
+                "dp.noise_multiplier", "give a noise multiplier, or trainer.max_steps to calibrate one for"
+            )
+        sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, cap, make_event=step_event, mechanism=dp.accountant)
+    event = step_event(sigma)
+    if event is None:
+        raise ValidationError("dp.enabled", "the batch source has no private branch; disable dp for it")
+    allowed = max_steps(event, dp.epsilon, dp.delta, mechanism=dp.accountant, limit=cap)
+    if allowed == 0:
+        raise PrivacyBudgetError(
+            "dp.epsilon", f"not even one step fits epsilon={dp.epsilon} at delta={dp.delta} with sigma={sigma:g}"
+        )
+    return sigma, event, allowed
+
+
 class Trainer:
-    """Runs ``algorithm`` on batches from ``source`` until its step cap or its privacy budget is reached."""
+    """Runs ``algorithm`` on batches from ``source`` until its step cap or its privacy budget is reached.
+
+    ``run_dir`` is a path (the Trainer then owns a run directory there: a new one, or, with ``trainer.resume``,
+    its own earlier run if the provenance matches) or the pipeline's ``RunDirectory``. ``public_evaluators`` names
+    the evaluators whose metrics are public (computed in a public simulator from the released iterate);
+    ``secret_root`` is the run's ``SecretRoot`` (default: one from ``dp.noise_seed``).
+    """
 
     def __init__(
         self,
@@ -78,11 +128,13 @@ class Trainer:
         config: TrainerConfig,
         dp: Optional[DPConfig],
         ledger: PrivacyLedger,
-        run_dir: str | Path,
+        run_dir: str | Path | RunDirectory,
         pipeline: str,
         pipeline_config: Mapping[str, Any],
         stage: str = "train",
         evaluators: Mapping[str, Evaluator] | None = None,
+        public_evaluators: Collection[str] = (),
+        secret_root: Optional[SecretRoot] = None,
     ):
         if not hasattr(algorithm, "row_losses") and not hasattr(algorithm, "unit_directions"):
             raise ValidationError("algorithm", "needs row_losses(batch) or unit_directions(batch)")
@@ -91,42 +143,42 @@ class Trainer:
         self.config = config
         self.dp = dp if dp is not None and dp.enabled else None
         self.ledger = ledger
-        self.run_dir = Path(run_dir)
+        self.run = run_dir if isinstance(run_dir, RunDirectory) else None
+        self.run_dir = self.run.root if self.run is not None else Path(run_dir)
         self.pipeline = pipeline
         self.pipeline_config = dict(pipeline_config)
         self.stage = stage
         self.evaluators = dict(evaluators or {})
-        self.device = torch.device(config.device)
-        self.checkpoint_path = self.run_dir / "checkpoints" / "last.pt"
-        self.journal_path = self.run_dir / "privacy_journal.json"
+        self.public_evaluators = frozenset(public_evaluators)
+        unknown = sorted(self.public_evaluators - set(self.evaluators))
+        if unknown:
+            raise ValidationError("public_evaluators", f"{unknown} are not evaluators ({sorted(self.evaluators)})")
+        self.secret_root = secret_root
+        self.device = resolve_device(config.device, "trainer.device")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return (self.run.checkpoint_path if self.run is not None else self.run_dir / "curator" / "checkpoints" /
+                "last.pt")
+
+    @property
+    def journal_path(self) -> Path:
+        return self.run.journal_path if self.run is not None else self.run_dir / "curator" / "journal.json"
+
+    def provenance_config(self) -> dict[str, Any]:
+        """What this loop computes, as hashed into its checkpoints (and its run directory when it owns one)."""
+        return {
+            "pipeline": self.pipeline,
+            "pipeline_config": self.pipeline_config,
+            "stage": self.stage,
+            "trainer": to_dict(self.config),
+            "dp": None if self.dp is None else to_dict(self.dp),
+        }
 
     # ------------------------------------------------------------------ setup
     def _plan_privacy(self) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
         """(noise multiplier, per-step event, total privacy-costing steps allowed)."""
-        cap = self.config.max_steps
-        if self.dp is None:
-            if cap is None:
-                raise ValidationError("trainer.max_steps", "a non-private run needs a step cap")
-            return None, None, cap
-        dp = self.dp
-        sigma = dp.noise_multiplier
-        if sigma is None:
-            if cap is None:
-                raise ValidationError(
-                    "dp.noise_multiplier", "give a noise multiplier, or trainer.max_steps to calibrate one for"
-                )
-            sigma = calibrate_noise_multiplier(
-                dp.epsilon, dp.delta, cap, make_event=self.source.step_event, mechanism=dp.accountant
-            )
-        event = self.source.step_event(sigma)
-        if event is None:
-            raise ValidationError("dp.enabled", "the batch source has no private branch; disable dp for it")
-        allowed = max_steps(event, dp.epsilon, dp.delta, mechanism=dp.accountant, limit=cap)
-        if allowed == 0:
-            raise PrivacyBudgetError(
-                "dp.epsilon", f"not even one step fits epsilon={dp.epsilon} at delta={dp.delta} with sigma={sigma:g}"
-            )
-        return sigma, event, allowed
+        return plan_privacy(self.dp, self.config.max_steps, self.source.step_event)
 
     def _open_stage(self) -> None:
         """The private stage of this run, in the ledger: budget, analysis and the algorithm's privacy unit."""
@@ -156,18 +208,31 @@ class Trainer:
     # ------------------------------------------------------------------ main loop
     def fit(self) -> TrainResult:
         config = self.config
-        seed_everything(config.seed)
+        provenance = self.provenance_config()
+        # Checks first, writes after: a refused run leaves its directory as it found it.
+        run = self.run or RunDirectory(
+            self.run_dir, pipeline=self.pipeline, config=provenance, mode="resume" if config.resume else "new"
+        )
+        trainer_sha256 = config_sha256(provenance)
         self.algorithm.to(self.device)
         params = self._trainable()
         optimizer = build_optimizer(params, config.optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config.optimizer))
-        # A private run's sampling is part of its mechanism: secret, unless noise_seed asks for a reproduction.
-        if self.dp is None:
-            generator = make_generator(config.seed + 1)
-        else:
-            generator = secret_generator(None if self.dp.noise_seed is None else self.dp.noise_seed + 1)
-        sigma, event, total_budget_steps = self._plan_privacy()
-        noise = NoiseSource(self.dp.noise_seed if self.dp else None)
+        sigma, event, planned = self._plan_privacy()
+        generator, noise = self._streams()
+
+        step, eval_history, checkpointed_budget = 0, [], 0
+        if run.checkpoint_path.exists():
+            if not config.resume:
+                raise ValidationError("trainer.resume", f"{run.checkpoint_path} exists; resume or use a new run_dir")
+            state = load_checkpoint(run.checkpoint_path)
+            self._check_same_run(state, trainer_sha256)
+            self._restore(state, optimizer, scheduler, generator, noise)
+            step, checkpointed_budget, eval_history = state["step"], state["budget_steps"], state["eval_history"]
+
+        run.begin()
+        if not self.ledger.journaled:
+            run.attach(self.ledger)  # from here on every charge is journaled before the step it pays for runs
         engine = None
         if self.dp is not None:
             engine = DPSGDEngine(
@@ -180,42 +245,25 @@ class Trainer:
                 mode="naive" if hasattr(self.algorithm, "unit_directions") else self.dp.clipping,
             )
             self._open_stage()
-
-        step, budget_steps, eval_history = 0, 0, []
-        if self.checkpoint_path.exists():
-            if not config.resume:
-                raise ValidationError("trainer.resume", f"{self.checkpoint_path} exists; resume or use a new run_dir")
-            state = load_checkpoint(self.checkpoint_path)
-            self._check_same_run(state)
-            self.algorithm.load_state_dict(state["algorithm"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            self.ledger.load_state_dict(state["ledger"])
-            generator.set_state(state["rng"]["sampler"])
-            noise.load_state_dict(state["rng"]["noise"])
-            set_global_rng_state(state["rng"]["global"])
-            step, budget_steps, eval_history = state["step"], state["budget_steps"], state["eval_history"]
-        if event is not None:
-            # Steps authorised before a crash may have leaked through logs or evaluations: count them as spent.
-            authorised = read_journal(self.journal_path)
-            if authorised > budget_steps:
-                self.ledger.record(self.stage, event, authorised - budget_steps)
-                budget_steps = authorised
+            budget_steps, total_budget_steps = self._charged_and_total(event, planned, checkpointed_budget)
+        else:
+            budget_steps, total_budget_steps = checkpointed_budget, planned
         authorised = budget_steps
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        logger = RunLogger(self.run_dir / "tensorboard")
-        logger.text("config", f"```\n{self.pipeline_config}\n```")
+        public = RunLogger(run.release / "tensorboard")
+        curator = RunLogger(run.curator / "tensorboard", enabled=config.curator_diagnostics)
+        curator.text("config", f"```\n{self.pipeline_config}\n```")
         if event is not None:
-            logger.text("privacy/plan", f"per-step event: {event_to_dict(event)}; steps allowed: {total_budget_steps}")
+            public.text("privacy/plan", f"per-step event: {event_to_dict(event)}; steps allowed: {total_budget_steps}")
         progress = _progress(total_budget_steps, budget_steps, config.progress)
         last_log = time.perf_counter()
         try:
             while budget_steps < total_budget_steps:
-                if event is not None and budget_steps >= authorised:
-                    authorised = min(total_budget_steps, budget_steps + config.journal_every)
-                    write_journal(self.journal_path, authorised)
-                if event is not None:  # paid before it runs: a step the ledger refuses never happens
+                if event is not None and budget_steps >= authorised:  # write-ahead: journaled before they run
+                    block = min(total_budget_steps - budget_steps, config.journal_every)
+                    self.ledger.authorise(self.stage, event, block)
+                    authorised = budget_steps + block
+                if event is not None:  # consumes the authorisation: a step the ledger refuses never happens
                     self.ledger.record(self.stage, event)
                 diagnostics = self._step(self.source.sample(generator), engine, optimizer)
                 scheduler.step()
@@ -226,32 +274,34 @@ class Trainer:
                     self.algorithm.on_step_end(step)
                 if step % config.log_every == 0:
                     now = time.perf_counter()
-                    scalars = {"train/steps_per_second": config.log_every / max(now - last_log, 1e-9)}
-                    scalars["train/lr"] = optimizer.param_groups[0]["lr"]
+                    public.scalars({"train/lr": optimizer.param_groups[0]["lr"]}, step)
+                    # Step timing depends on realised batch sizes: curator-only, like the diagnostics.
+                    timing = {CURATOR_PREFIX + "steps_per_second": config.log_every / max(now - last_log, 1e-9)}
                     last_log = now
-                    if config.curator_diagnostics:
-                        scalars.update({CURATOR_PREFIX + k: v for k, v in diagnostics.items()})
-                    logger.scalars(scalars, step)
+                    curator.scalars({**timing, **{CURATOR_PREFIX + k: v for k, v in diagnostics.items()}}, step)
                 if step % config.eval_every == 0 or budget_steps == total_budget_steps:
                     metrics = self._evaluate()
                     if self.dp is not None:
                         metrics["privacy/epsilon"] = self.ledger.spent(self.stage)
                     eval_history.append((step, metrics))
-                    logger.scalars(metrics, step)
-                    progress.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in list(metrics.items())[:3]})
+                    public.scalars(self._public(metrics), step)
+                    curator.scalars(metrics, step)
+                    progress.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in list(self._public(metrics).items())[:3]})
                 if step % config.checkpoint_every == 0 or budget_steps == total_budget_steps:
-                    self._save(step, budget_steps, optimizer, scheduler, generator, noise, eval_history)
+                    self._save(run, trainer_sha256, step, budget_steps, optimizer, scheduler, generator, noise,
+                               eval_history)
         finally:
             progress.close()
 
         report = self.ledger.report()
         final = dict(eval_history[-1][1]) if eval_history else {}
-        logger.hparams(
+        curator.hparams(
             {"pipeline": self.pipeline, **self.pipeline_config},
             {k: v for k, v in final.items() if isinstance(v, (int, float))},
         )
-        logger.text("privacy/report", report.describe())
-        logger.close()
+        public.text("privacy/report", report.describe())
+        public.close()
+        curator.close()
         result = TrainResult(
             steps=step,
             budget_steps=budget_steps,
@@ -260,21 +310,50 @@ class Trainer:
             privacy=report.to_dict(),
             run_dir=self.run_dir,
             eval_history=eval_history,
+            public_metrics=self._public(final),
         )
+        summary = {"pipeline": self.pipeline, "stage": self.stage, "steps": step, "budget_steps": budget_steps,
+                   "noise_multiplier": sigma, "privacy": result.privacy}
+        atomic_write_json(run.release / "privacy_report.json", result.privacy)
         atomic_write_json(
-            self.run_dir / "summary.json",
-            {
-                "pipeline": self.pipeline,
-                "steps": step,
-                "budget_steps": budget_steps,
-                "noise_multiplier": sigma,
-                "metrics": final,
-                "privacy": result.privacy,
-                "eval_history": eval_history,
-            },
+            run.release / "train_summary.json",
+            {**summary, "metrics": result.public_metrics,
+             "eval_history": [(s, self._public(m)) for s, m in eval_history]},
         )
+        atomic_write_json(run.curator / "train_summary.json",
+                          {**summary, "metrics": final, "eval_history": eval_history})
         return result
 
+    def _public(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The metrics a run may publish: public evaluators' and the privacy spent."""
+        return {k: v for k, v in metrics.items()
+                if k == "privacy/epsilon" or k.split("/", 1)[0] in self.public_evaluators}
+
+    def _streams(self) -> tuple[torch.Generator, Any]:
+        """(sampler generator, noise source): secret streams of the run's root for a private run."""
+        if self.dp is None:  # public sampling of a non-private run: an ordinary, named public stream
+            return public_generator(self.config.seed, f"{self.stage}/sampler"), None
+        root = self.secret_root
+        if root is None:
+            root = SecretRoot(self.dp.noise_seed)
+        elif self.dp.noise_seed is not None:
+            raise ValidationError("dp.noise_seed", "the run's SecretRoot is given: its seed is the run's noise_seed")
+        return root.torch_generator(f"{self.stage}/sampler"), root.noise(f"{self.stage}/noise")
+
+    def _charged_and_total(self, event: PrivacyEvent, planned: int, checkpointed: int) -> tuple[int, int]:
+        """(steps of this stage already charged, total it may take): an earlier attempt's authorisations count."""
+        history = self.ledger.stages[self.stage].accountant.history
+        charged = sum(count for _, count in history)
+        if charged < checkpointed:
+            raise ValidationError(
+                "journal", f"the checkpoint records {checkpointed} private steps but the journal only {charged}: "
+                "refusing to under-count (was the journal removed?)"
+            )
+        if all(recorded == event for recorded, _ in history):
+            return charged, max(planned, charged)
+        # The journal holds other events (an earlier attempt's, charged as recorded): fit what is left around them.
+        cap = STEP_SEARCH_LIMIT if self.config.max_steps is None else max(self.config.max_steps - charged, 0)
+        return charged, charged + self.ledger.remaining(self.stage, event, cap)
     def _step(self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer) -> dict[str, float]:
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
@@ -316,28 +395,49 @@ class Trainer:
         self.algorithm.train(was_training)
         return metrics
 
-    def _save(self, step, budget_steps, optimizer, scheduler, generator, noise, eval_history) -> None:
+    def _save(self, run, trainer_sha256, step, budget_steps, optimizer, scheduler, generator, noise, eval_history):
         save_checkpoint(
-            self.checkpoint_path,
+            run.checkpoint_path,
             {
                 "pipeline": self.pipeline,
-                "config": self.pipeline_config,
+                "config_sha256": trainer_sha256,
+                "config": self.pipeline_config,  # JSON data (pipelines' checkpoint hooks read it; curator-only)
                 "step": step,
                 "budget_steps": budget_steps,
                 "algorithm": self.algorithm.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "ledger": self.ledger.state_dict(),
-                "eval_history": eval_history,
-                "rng": {"sampler": generator.get_state(), "noise": noise.state_dict(), "global": global_rng_state()},
+                "eval_history": [[s, dict(m)] for s, m in eval_history],
+                "rng": {"sampler": generator.get_state(), **({"noise": noise.state_dict()} if noise is not None else {})},
             },
         )
 
-    def _check_same_run(self, state: Mapping[str, Any]) -> None:
-        if state["pipeline"] != self.pipeline or state["config"] != self.pipeline_config:
+    def _check_same_run(self, state: Mapping[str, Any], trainer_sha256: str) -> None:
+        if state["pipeline"] != self.pipeline or state["config_sha256"] != trainer_sha256:
             raise ValidationError(
                 "trainer.resume", f"{self.checkpoint_path} belongs to a different configuration; use a new run_dir"
             )
+
+    def _restore(self, state, optimizer, scheduler, generator, noise) -> None:
+        """Load a checkpoint's states; a mismatch is a ValidationError naming the part, before anything is written."""
+        parts = [("algorithm", lambda: self.algorithm.load_state_dict(state["algorithm"])),
+                 ("optimizer", lambda: optimizer.load_state_dict(state["optimizer"])),
+                 ("scheduler", lambda: scheduler.load_state_dict(state["scheduler"])),
+                 ("rng.sampler", lambda: generator.set_state(state["rng"]["sampler"]))]
+        if noise is not None:
+            parts.append(("rng.noise", lambda: noise.load_state_dict(state["rng"]["noise"])))
+        for name, load in parts:
+            try:
+                load()
+            except ValidationError:
+                raise
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+                raise ValidationError(f"checkpoint.{name}", f"does not match this run: {str(exc)[:300]}") from None
+        try:
+            state["eval_history"][:] = [(int(s), {str(k): float(v) for k, v in m.items()})
+                                        for s, m in state["eval_history"]]
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValidationError("checkpoint.eval_history", f"malformed: {exc}") from None
 
 
 def _progress(total: int, initial: int, enabled: bool):

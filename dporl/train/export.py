@@ -1,0 +1,180 @@
+"""Released policies: weights, a JSON description and a TorchScript file; deployable without dporl's trainer.
+
+A policy directory (``RUN/release/policy/``) holds exactly what the guarantee covers of a trained model::
+
+    weights.pt              the network's plain state_dict: ``torch.load(path, weights_only=True)``
+    policy.json             format, kind, architecture, observation / action spaces, environment id, the guarantee,
+                            and the sha256 of both weight files
+    policy.torchscript.pt   ``torch.jit.load(path)(obs)`` -> greedy actions (``.q_values(obs)`` for Q-values)
+
+No optimizer state, no generator state, no noise seed, no private count: a policy file is a function of the final
+iterate only. ``save_policy(module, directory, ...)`` writes it (atomically, file by file, ``policy.json`` last);
+``load_policy(directory)`` reads it back weights-only, checking every declared size against bounds before it
+allocates anything, and the recorded hashes. ``GreedyQPolicy`` is a plain ``nn.Module`` with ``act(obs)``.
+
+TorchScript is what the issue asked for and runs in C++ (libtorch) too; torch 2.13 marks ``torch.jit`` deprecated
+in favour of ``torch.export``, so the state_dict + JSON pair is the format dporl itself reads and the one to rely
+on; the TorchScript file is a convenience for deployment.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from dporl.algos.cql import check_mlp_sizes, mlp
+from dporl.utils.io import atomic_torch_save, atomic_write, atomic_write_json, load_weights, read_json, sha256_file
+from dporl.utils.validation import ValidationError
+
+POLICY_FORMAT = "dporl-policy"
+POLICY_VERSION = 1
+WEIGHTS_FILE = "weights.pt"
+SPEC_FILE = "policy.json"
+TORCHSCRIPT_FILE = "policy.torchscript.pt"
+class GreedyQPolicy(nn.Module):
+    """The greedy policy of a Q-network (MLP obs_dim -> hidden_sizes (ReLU) -> n_actions): act(obs) = argmax Q."""
+
+    kind = "greedy_q_mlp"
+
+    def __init__(self, obs_dim: int, hidden_sizes: list[int], n_actions: int, spec: Optional[Mapping[str, Any]] = None):
+        super().__init__()
+        obs_dim, hidden_sizes, n_actions = check_mlp_sizes("policy.architecture", obs_dim, list(hidden_sizes), n_actions)
+        self.obs_dim, self.hidden_sizes, self.n_actions = obs_dim, hidden_sizes, n_actions
+        self.q_network = mlp(obs_dim, hidden_sizes, n_actions)
+        self.spec: dict[str, Any] = dict(spec or {})  # policy.json when loaded (spaces, env id, guarantee)
+
+    @classmethod
+    def from_q_network(cls, q_network: nn.Module) -> "GreedyQPolicy":
+        """A copy of an ``nn.Sequential`` of Linear / ReLU layers (what ``dporl.algos.cql.mlp`` builds)."""
+        layers = list(q_network) if isinstance(q_network, nn.Sequential) else []
+        linear = [layer for layer in layers if isinstance(layer, nn.Linear)]
+        if not linear or any(not isinstance(layer, (nn.Linear, nn.ReLU)) for layer in layers):
+            raise ValidationError("policy", "only MLP Q-networks (Linear / ReLU) can be exported as greedy policies")
+        policy = cls(linear[0].in_features, [layer.out_features for layer in linear[:-1]], linear[-1].out_features)
+        policy.q_network.load_state_dict({k: v.detach().cpu() for k, v in q_network.state_dict().items()})
+        return policy
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """Q-values [B, n_actions] of observations [B, obs_dim]."""
+        return self.q_network(obs)
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        """Greedy actions [B] (LongTensor) for observations [B, obs_dim]."""
+        obs = torch.as_tensor(obs, dtype=torch.float32, device=next(self.parameters()).device)
+        return self.q_network(obs).argmax(dim=-1)
+
+    def architecture(self) -> dict[str, Any]:
+        return {"obs_dim": self.obs_dim, "hidden_sizes": list(self.hidden_sizes), "n_actions": self.n_actions,
+                "activation": "relu"}
+
+    def save(self, directory: str | Path, **description: Any) -> Path:
+        """``save_policy(self, directory, **description)``."""
+        return save_policy(self, directory, **description)
+
+
+class _ScriptedGreedy(nn.Module):
+    """What the TorchScript file holds: forward = greedy actions, q_values = the network."""
+
+    def __init__(self, q_network: nn.Module):
+        super().__init__()
+        self.q_network = q_network
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q_network(obs).argmax(dim=-1)
+
+    @torch.jit.export
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q_network(obs)
+
+
+def space_to_dict(space: Any) -> Optional[dict[str, Any]]:
+    """JSON description of a Gymnasium Box / Discrete space (None for None)."""
+    if space is None:
+        return None
+    if hasattr(space, "n"):
+        return {"type": "Discrete", "n": int(space.n)}
+    if hasattr(space, "low") and hasattr(space, "high"):
+        return {"type": "Box", "shape": list(space.shape), "dtype": str(space.dtype),
+                "low": [float(x) for x in space.low.ravel()], "high": [float(x) for x in space.high.ravel()]}
+    raise ValidationError("policy.space", f"cannot describe space {space!r}")
+
+
+def save_policy(
+    module: nn.Module,
+    directory: str | Path,
+    *,
+    env_id: Optional[str] = None,
+    observation_space: Any = None,
+    action_space: Any = None,
+    privacy: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+) -> Path:
+    """Write ``module`` (a GreedyQPolicy, or anything with an MLP ``q_network``) as a policy directory.
+
+    ``privacy``: what the guarantee says (``PrivacyReport.to_dict()`` or a subset). ``policy.json`` is written last:
+    a directory without it is incomplete.
+    """
+    policy = module if isinstance(module, GreedyQPolicy) else GreedyQPolicy.from_q_network(module.q_network)
+    policy = copy.deepcopy(policy).cpu().eval()
+    directory = Path(directory)
+    weights = {k: v.detach().contiguous() for k, v in policy.q_network.state_dict().items()}
+    atomic_torch_save(directory / WEIGHTS_FILE, weights)
+    with warnings.catch_warnings():  # torch 2.13 deprecates torch.jit; the file is still what libtorch loads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(_ScriptedGreedy(policy.q_network))
+        atomic_write(directory / TORCHSCRIPT_FILE, lambda tmp: scripted.save(str(tmp)))
+    spec = {
+        "format": POLICY_FORMAT,
+        "version": POLICY_VERSION,
+        "kind": GreedyQPolicy.kind,
+        "architecture": policy.architecture(),
+        "env_id": env_id,
+        "observation_space": space_to_dict(observation_space),
+        "action_space": space_to_dict(action_space),
+        "privacy": dict(privacy) if privacy is not None else None,
+        "files": {"weights": WEIGHTS_FILE, "torchscript": TORCHSCRIPT_FILE},
+        "sha256": {name: sha256_file(directory / name) for name in (WEIGHTS_FILE, TORCHSCRIPT_FILE)},
+        **({"extra": dict(extra)} if extra else {}),
+    }
+    atomic_write_json(directory / SPEC_FILE, spec)
+    return directory
+
+
+def load_policy(directory: str | Path, map_location: str | torch.device = "cpu") -> GreedyQPolicy:
+    """A released policy from ``directory`` alone (weights-only; sizes bounded before allocation; hashes checked)."""
+    directory = Path(directory)
+    if directory.is_file() and directory.name == SPEC_FILE:
+        directory = directory.parent
+    spec = read_json(directory / SPEC_FILE, "policy")
+    if not isinstance(spec, dict) or spec.get("format") != POLICY_FORMAT:
+        raise ValidationError("policy", f"{directory / SPEC_FILE} is not a {POLICY_FORMAT} file")
+    if spec.get("version") != POLICY_VERSION:
+        raise ValidationError("policy.version", f"unsupported version {spec.get('version')!r}")
+    if spec.get("kind") != GreedyQPolicy.kind:
+        raise ValidationError("policy.kind", f"unknown policy kind {spec.get('kind')!r} (known: {GreedyQPolicy.kind})")
+    architecture = spec.get("architecture")
+    if not isinstance(architecture, dict) or architecture.get("activation", "relu") != "relu":
+        raise ValidationError("policy.architecture", f"expected an MLP description, got {architecture!r}")
+    policy = GreedyQPolicy(architecture.get("obs_dim"), architecture.get("hidden_sizes"), architecture.get("n_actions"),
+                           spec)
+    path = directory / WEIGHTS_FILE
+    recorded = (spec.get("sha256") or {}).get(WEIGHTS_FILE)
+    if recorded is not None and path.is_file() and sha256_file(path) != recorded:
+        raise ValidationError("policy.weights", f"{path} does not match the sha256 recorded in {SPEC_FILE}")
+    weights = load_weights(path, "policy.weights", map_location)
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise ValidationError("policy.weights", f"{path} is not a state_dict of tensors")
+    try:
+        policy.q_network.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise ValidationError("policy.weights", f"do not match the architecture in {SPEC_FILE}: {str(exc)[:300]}") from None
+    for name, tensor in weights.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValidationError(f"policy.weights.{name}", "contains NaN or inf")
+    return policy.to(map_location).eval()
