@@ -17,17 +17,21 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError
 M, PER_EXPERT, P_MIN = 600, 1, 0.1
 
 
-@pytest.fixture(scope="module")
-def logged(tmp_path_factory):
-    """600 LQR experts (3 physics settings), 1 episode each of at most 60 steps, in default CartPole."""
-    root = tmp_path_factory.mktemp("logged")
+def log_lqr_experts(root, datasets: dict[str, int]):
+    """600 LQR experts (3 physics settings) in ``root/experts.pt``, and per (file name, logging seed) in
+    ``datasets`` one dataset of 1 episode each of at most 60 steps, in default CartPole."""
     settings = [{"gravity": g, "force_mag": 10.0, "masscart": 1.0} for g in (9.0, 9.8, 10.5)]
     policy, _ = cartpole_lqr_experts(settings, M // len(settings), seed=0)
     experts = ExpertSet(policy, P_MIN, "argmax")
     experts.save(root / "experts.pt")
-    data = collect(experts, "CartPole-v1", PER_EXPERT, max_episode_steps=60, seed=0, progress=False)
-    data.save(root / "data.npz")
+    for name, seed in datasets.items():
+        collect(experts, "CartPole-v1", PER_EXPERT, max_episode_steps=60, seed=seed, progress=False).save(root / name)
     return root
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    return log_lqr_experts(tmp_path_factory.mktemp("logged"), {"data.npz": 0})
 
 
 def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
@@ -45,13 +49,18 @@ def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
         "trainer": {"max_steps": 30, "eval_every": 15, "log_every": 10, "checkpoint_every": 15, "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 50},
     }
+    return from_dict(ExpertCQLConfig, with_overrides(base, overrides))
+
+
+def with_overrides(base: dict, overrides: dict) -> dict:
+    """``base`` with ``{"key": v}`` and ``{"section.key": v}`` overrides applied (one level of sections)."""
     for key, value in overrides.items():
         section, _, name = key.partition(".")
         if name:
             base[section] = {**base[section], name: value}
         else:
             base[key] = value
-    return from_dict(ExpertCQLConfig, base)
+    return base
 
 
 def test_mixed_runs_end_to_end_with_sound_mixture_accounting(logged, tmp_path, capsys):

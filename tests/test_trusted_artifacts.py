@@ -19,16 +19,13 @@ import torch
 import yaml
 
 from dporl.data.dataset import TrajectoryDataset
-from dporl.experts.analytic import cartpole_lqr_experts
-from dporl.experts.collect import collect
-from dporl.experts.expert_set import ExpertSet
 from dporl.train.checkpoint import load_checkpoint
 from dporl.train.export import load_policy
 from dporl.train.run_dir import read_journal
-from dporl.utils.validation import PrivacyBudgetError, ValidationError
+from dporl.utils.validation import ValidationError
+from test_expert_cql import M, log_lqr_experts, with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-M, P_MIN = 600, 0.1
 # A 128-bit noise seed: what a reproducible release must use, and distinctive enough to search for in files.
 SEED = 0x1F2E3D4C5B6A79880123456789ABCDEF
 
@@ -42,15 +39,8 @@ def _cli(name: str):
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
-    """600 LQR experts (3 physics settings), 1 logged episode each of at most 60 steps; and a second dataset."""
-    root = tmp_path_factory.mktemp("logged")
-    settings = [{"gravity": g, "force_mag": 10.0, "masscart": 1.0} for g in (9.0, 9.8, 10.5)]
-    policy, _ = cartpole_lqr_experts(settings, M // len(settings), seed=0)
-    experts = ExpertSet(policy, P_MIN, "argmax")
-    experts.save(root / "experts.pt")
-    collect(experts, "CartPole-v1", 1, max_episode_steps=60, seed=0, progress=False).save(root / "a.npz")
-    collect(experts, "CartPole-v1", 1, max_episode_steps=60, seed=1, progress=False).save(root / "b.npz")
-    return root
+    """test_expert_cql's 600 LQR experts, with two datasets logged under different seeds."""
+    return log_lqr_experts(tmp_path_factory.mktemp("logged"), {"a.npz": 0, "b.npz": 1})
 
 
 def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides) -> dict:
@@ -70,13 +60,7 @@ def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides)
                     "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 30},
     }
-    for key, value in overrides.items():
-        section, _, name = key.partition(".")
-        if name:
-            config[section] = {**config[section], name: value}
-        else:
-            config[key] = value
-    return config
+    return with_overrides(config, overrides)
 
 
 def _train(tmp_path: Path, config: dict, *flags: str, name: str = "config.yaml") -> int:

@@ -205,32 +205,14 @@ class RunDirectory:
                 f"{self.root} is not empty and is not a dporl run directory ({path.relative_to(self.root)} is "
                 "missing): refusing to resume, reuse or delete it; choose a new run_dir",
             )
-        recorded = read_json(path, "run_dir.provenance")
-        if (
-            not isinstance(recorded, dict)
-            or recorded.get("format") != PROVENANCE_FORMAT
-            or recorded.get("version") != FORMAT_VERSION
-            or not isinstance(recorded.get("pipeline"), str)
-            or not isinstance(recorded.get("config_sha256"), str)
-            or not isinstance(recorded.get("inputs", {}), dict)
-        ):
-            raise ValidationError("run_dir.provenance", f"{path} is not a {PROVENANCE_FORMAT} v{FORMAT_VERSION} file")
-        return recorded
+        return _read_versioned(path, "run_dir.provenance", PROVENANCE_FORMAT,
+                               {"pipeline": str, "config_sha256": str, "inputs": dict})
 
     def _read_journal(self) -> Optional[dict[str, Any]]:
         path = self.journal_path
         if not path.exists():
             return None
-        journal = read_json(path, "journal")
-        if (
-            not isinstance(journal, dict)
-            or journal.get("format") != JOURNAL_FORMAT
-            or journal.get("version") != FORMAT_VERSION
-            or not isinstance(journal.get("ledger"), dict)
-            or not isinstance(journal.get("completed", {}), dict)
-        ):
-            raise ValidationError("journal", f"{path} is not a {JOURNAL_FORMAT} v{FORMAT_VERSION} file; refusing to "
-                                  "guess how much budget was spent")
+        journal = _read_versioned(path, "journal", JOURNAL_FORMAT, {"ledger": dict, "completed": dict})
         if journal.get("config_sha256") != self.config_sha256:
             raise ValidationError("journal", f"{path} belongs to another configuration than {self.provenance_path}")
         return journal
@@ -339,11 +321,22 @@ class RunDirectory:
         return summary
 
 
+def _read_versioned(path: Path, field: str, kind: str, required: Mapping[str, type]) -> dict[str, Any]:
+    """A JSON file of format ``kind`` (this version) whose ``required`` keys have the given types."""
+    value = read_json(path, field)
+    if (
+        not isinstance(value, dict)
+        or value.get("format") != kind
+        or value.get("version") != FORMAT_VERSION
+        or not all(isinstance(value.get(key), type_) for key, type_ in required.items())
+    ):
+        raise ValidationError(field, f"{path} is not a {kind} v{FORMAT_VERSION} file; refusing to guess what it says")
+    return value
+
+
 def read_journal(path: str | Path) -> PrivacyLedger:
     """The ledger a journal file records (every authorised event, as authorised); validated, never guessed."""
-    journal = read_json(path, "journal")
-    if not isinstance(journal, dict) or journal.get("format") != JOURNAL_FORMAT or not isinstance(journal.get("ledger"), dict):
-        raise ValidationError("journal", f"{path} is not a {JOURNAL_FORMAT} file; refusing to guess the spent budget")
+    journal = _read_versioned(Path(path), "journal", JOURNAL_FORMAT, {"ledger": dict})
     ledger = PrivacyLedger()
     ledger.load_state_dict(journal["ledger"])
     return ledger
