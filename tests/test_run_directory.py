@@ -233,3 +233,24 @@ def test_a_hostile_policy_description_is_refused_before_allocating(tmp_path, edi
     with pytest.raises(ValidationError) as info:
         load_policy(tmp_path)
     assert info.value.field == field
+
+
+def test_a_checkpoint_from_a_run_on_other_data_is_refused(tmp_path):
+    """Checkpoints carry the input hashes: one copied in from a run on another dataset is never resumed from."""
+    import shutil
+
+    from test_trainer import LogisticRegression, _trainer
+
+    def trainer(name: str, dataset: str, mode: str):
+        run = RunDirectory(tmp_path / name, pipeline="toy", config={"toy": 1}, mode=mode)
+        run.check_inputs(dataset=dataset)
+        run.begin()
+        return _trainer(run, LogisticRegression(), cap=10)
+
+    trainer("a", "sha-of-a", "new").fit()
+    trainer("b", "sha-of-b", "new")  # a run directory for other data, not trained yet
+    (tmp_path / "b" / "curator" / "checkpoints").mkdir()
+    shutil.copy(tmp_path / "a" / "curator" / "checkpoints" / "last.pt", tmp_path / "b" / "curator" / "checkpoints")
+    with pytest.raises(ValidationError) as info:
+        trainer("b", "sha-of-b", "resume").fit()
+    assert info.value.field == "inputs.dataset"

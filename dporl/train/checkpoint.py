@@ -3,7 +3,8 @@
 A checkpoint is one torch file of tensors and plain containers (numbers, strings, lists, dicts), read back with
 ``torch.load(weights_only=True)``: a file carrying a pickled object is refused, never executed. Generator states
 are the uint8 tensors torch exposes; no global RNG state is stored (dporl draws only from explicit generators).
-It records the provenance of the run that wrote it (the trainer's config hash) and is loaded only by that run.
+It records the provenance of the run that wrote it (the trainer's config hash and the input data's hashes) and is
+loaded only by that run.
 
 The privacy spend is not in the checkpoint: the run's write-ahead journal (``dporl.train.run_dir``) holds every
 authorised event, and recovery charges them as recorded.

@@ -293,6 +293,7 @@ class RunDirectory:
                 "version": FORMAT_VERSION,
                 "pipeline": self.pipeline,
                 "config_sha256": self.config_sha256,
+                "inputs": dict(self.inputs),
                 "ledger": ledger_state,
                 "completed": self._completed,
             },

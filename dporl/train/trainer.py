@@ -226,7 +226,7 @@ class Trainer:
             if not config.resume:
                 raise ValidationError("trainer.resume", f"{run.checkpoint_path} exists; resume or use a new run_dir")
             state = load_checkpoint(run.checkpoint_path)
-            self._check_same_run(state, trainer_sha256)
+            self._check_same_run(state, trainer_sha256, run.inputs)
             self._restore(state, optimizer, scheduler, generator, noise)
             step, checkpointed_budget, eval_history = state["step"], state["budget_steps"], state["eval_history"]
 
@@ -401,6 +401,7 @@ class Trainer:
             {
                 "pipeline": self.pipeline,
                 "config_sha256": trainer_sha256,
+                "inputs": dict(run.inputs),  # hashes of the input data (dataset content, expert set)
                 "config": self.pipeline_config,  # JSON data (pipelines' checkpoint hooks read it; curator-only)
                 "step": step,
                 "budget_steps": budget_steps,
@@ -412,11 +413,16 @@ class Trainer:
             },
         )
 
-    def _check_same_run(self, state: Mapping[str, Any], trainer_sha256: str) -> None:
+    def _check_same_run(self, state: Mapping[str, Any], trainer_sha256: str, inputs: Mapping[str, str]) -> None:
         if state["pipeline"] != self.pipeline or state["config_sha256"] != trainer_sha256:
             raise ValidationError(
                 "trainer.resume", f"{self.checkpoint_path} belongs to a different configuration; use a new run_dir"
             )
+        recorded = state.get("inputs") or {}
+        differing = sorted(name for name in set(recorded) & set(inputs) if recorded[name] != inputs[name])
+        if differing:
+            raise ValidationError(f"inputs.{differing[0]}", f"{self.checkpoint_path} was trained on another "
+                                  f"{differing[0]}; refusing to resume from it")
 
     def _restore(self, state, optimizer, scheduler, generator, noise) -> None:
         """Load a checkpoint's states; a mismatch is a ValidationError naming the part, before anything is written."""
