@@ -1,6 +1,8 @@
 """Experiment pipelines: one config dataclass and one run function each, dispatched by ``train.py``.
 
 A YAML config names its pipeline (``pipeline: expert_cql``); the rest of the file is that pipeline's config.
+``run(config, mode="new")`` opens the config's run directory (``dporl.train.run_dir``) in ``mode`` ("new",
+"resume", "overwrite": train.py's default, ``--resume``, ``--overwrite``) and checks every input before writing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dporl.utils.validation import ValidationError
 class Pipeline:
     name: str
     config_cls: type
-    run: Callable[[Any], dict]
+    run: Callable[..., dict]  # run(config, mode="new") -> summary
     # evaluate(checkpoint_payload, episodes, seed, out_dir) -> metrics, for evaluate.py
     evaluate: Optional[Callable[..., dict]] = None
 
