@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from dporl.data.dataset import TrajectoryDataset
 from dporl.experts.analytic import cartpole_lqr_experts
 from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet
@@ -52,6 +54,12 @@ def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
     return from_dict(ExpertCQLConfig, with_overrides(base, overrides))
 
 
+def with_metadata(data: TrajectoryDataset, **changes) -> TrajectoryDataset:
+    return TrajectoryDataset(**{k: getattr(data, k) for k in (
+        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+        "behavior_log_probs")}, metadata=dataclasses.replace(data.metadata, **changes))
+
+
 def with_overrides(base: dict, overrides: dict) -> dict:
     """``base`` with ``{"key": v}`` and ``{"section.key": v}`` overrides applied (one level of sections)."""
     for key, value in overrides.items():
@@ -79,15 +87,26 @@ def test_mixed_runs_end_to_end_with_sound_mixture_accounting(logged, tmp_path, c
                            "event": {"type": "PoissonGaussianEvent", "noise_multiplier": 1.0, "sample_rate": 16 / M}}
     guarantee = summary["privacy"]["guarantee"]
     assert guarantee["unit"] == "expert" and guarantee["epsilon"] <= 10.0 + 1e-9 and guarantee["delta"] == 1e-5
-    # The paper's figure (rate p_dp * q, no mixture) is smaller than the sound training-stage epsilon.
-    assert summary["paper_mixture_epsilon_NOT_A_GUARANTEE"] < stages[TRAIN_STAGE]["epsilon"]
+    # The paper's figure (rate p_dp * q, no mixture) is a paper claim, smaller than the sound training-stage epsilon.
+    (claim,) = summary["privacy"]["paper_figures_NOT_guarantees"]
+    assert claim["name"].startswith("Algorithm 3") and claim["epsilon"] < stages[TRAIN_STAGE]["epsilon"]
     out = capsys.readouterr().out
-    assert "GUARANTEE" in out and "NOT a guarantee" in out
+    lines = out.splitlines()
+    assert any(line.startswith("GUARANTEE: (") for line in lines)
+    assert any(line.startswith("the paper's figure, NOT a guarantee: Algorithm 3") for line in lines)
     assert (tmp_path / "run" / "release" / "d_stable.npz").exists()
+    assert (tmp_path / "run" / "curator" / "release_runs.json").exists()
+    assert not list((tmp_path / "run").rglob("d_unstable.npz"))  # D_unstable is the logged data: never copied
     assert "eval/return_mean" in summary["final_metrics"]
     saved = json.loads((tmp_path / "run" / "release" / "summary.json").read_text())
     assert saved == json.loads(json.dumps(summary)) and saved["steps"] == 30
     assert "config" not in saved and json.loads((tmp_path / "run" / "curator" / "summary.json").read_text())["config"]
+    # Nothing public counts the private logged data: no unstable count, and its size appears nowhere.
+    data = TrajectoryDataset.load(logged / "data.npz")
+    release_files = " ".join(p.read_text() for p in (tmp_path / "run" / "release").glob("*.json"))
+    assert "unstable" not in out and "unstable" not in release_files
+    for text in (out, release_files):
+        assert str(data.n_transitions) not in text
 
 
 def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
@@ -108,6 +127,57 @@ def test_stable_only_and_non_private(logged, tmp_path):
     assert stable["stable_transitions"] > 0
     plain = run(config(logged, tmp_path / "n", method="non_private"))
     assert plain["privacy"]["stages"] == [] and plain["privacy"]["guarantee"] is None
+
+
+def test_stable_only_output_does_not_depend_on_the_logged_records(logged, tmp_path, capsys):
+    """stable_only trains on D_stable alone, and the fresh release reads only the data's public metadata: the same
+    noise seed on two datasets with different logged records prints and publishes exactly the same run."""
+    data = TrajectoryDataset.load(logged / "data.npz")
+    experts = ExpertSet.load(logged / "experts.pt")
+    other = collect(experts, "CartPole-v1", 2, max_episode_steps=40, seed=7, progress=False)
+    with_metadata(other, **{f.name: getattr(data.metadata, f.name) for f in dataclasses.fields(data.metadata)}).save(
+        tmp_path / "other.npz")
+    outputs = []
+    for name, path in (("a", logged / "data.npz"), ("b", tmp_path / "other.npz")):
+        capsys.readouterr()
+        summary = run(config(logged, tmp_path / name, method="stable_only", data={
+            "dataset": str(path), "expert_set": str(logged / "experts.pt")}))
+        printed = capsys.readouterr().out.replace(str(tmp_path / name), "RUN")
+        outputs.append((printed, summary))
+    assert outputs[0] == outputs[1]
+
+
+def test_logged_variant_prints_no_guarantee(logged, tmp_path, capsys):
+    summary = run(config(logged, tmp_path, **{"release.source": "logged"}))
+    out = capsys.readouterr().out
+    assert "the paper's mechanism: NO guarantee" in out
+    assert not any(line.startswith("GUARANTEE") for line in out.splitlines())
+    assert summary["privacy"]["guarantee"] is None and summary["privacy"]["void"]
+    names = [claim["name"] for claim in summary["privacy"]["paper_figures_NOT_guarantees"]]
+    assert names[0] == "stable-prefix release of 5 LOGGED prefixes" and names[1].startswith("Algorithm 3")
+    stable_only = run(config(logged, tmp_path / "s", method="stable_only", **{"release.source": "logged"}))
+    assert "NO GUARANTEE: the paper's mechanism" in capsys.readouterr().out
+    assert stable_only["privacy"]["guarantee"] is None
+
+
+def test_dp_sgd_needs_no_simulator_or_experts_and_the_release_refuses_without_them(logged, tmp_path):
+    data = TrajectoryDataset.load(logged / "data.npz")
+    orphan = with_metadata(data, env_id="nowhere/Unknown-v0",
+                           expert_set={**data.metadata.expert_set, "path": str(tmp_path / "missing.pt")})
+    orphan.save(tmp_path / "orphan.npz")
+    cfg = {"data": {"dataset": str(tmp_path / "orphan.npz")}, "eval.env_id": "CartPole-v1"}
+    summary = run(config(logged, tmp_path / "dp", method="dp_sgd", **cfg))
+    assert summary["privacy"]["guarantee"]["epsilon"] <= 10.0
+    for method in ("stable_only", "mixed"):
+        with pytest.raises(ValidationError) as info:
+            run(config(logged, tmp_path / method, method=method, **cfg))
+        assert info.value.field == "expert_set.path"  # the recorded expert set is not there
+        assert not (tmp_path / method / "run").exists()  # refused before anything was spent or written
+    with pytest.raises(ValidationError) as info:  # with the experts given, the missing simulator is named
+        run(config(logged, tmp_path / "sim", method="mixed",
+                   data={"dataset": str(tmp_path / "orphan.npz"), "expert_set": str(logged / "experts.pt")}))
+    assert info.value.field == "dataset.metadata.env_id"
+    assert not (tmp_path / "sim" / "run").exists()
 
 
 def test_resume_reuses_the_paid_release(logged, tmp_path):

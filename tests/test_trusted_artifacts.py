@@ -171,19 +171,21 @@ def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, t
     """Failure 3 (release): a crash between writing D_stable and the ledger produced two releases, of which the
     ledger counted one. Now the release's events are journaled before any query; a resumed run finds an
     authorised, unfinished release and refuses a second one."""
+    import dporl.utils.io as io
+
     run = tmp_path / "run"
     config = _config(logged, run)
-    original = TrajectoryDataset.save
+    original = io.atomic_write_json
 
-    def crash_on_d_unstable(self, path):
-        if Path(path).name == "d_unstable.npz":
+    def crash_on_the_curator_record(path, payload):  # after D_stable, before the release is marked complete
+        if Path(path).name == "release_runs.json":
             raise RuntimeError("killed while writing the release")
-        return original(self, path)
+        return original(path, payload)
 
-    monkeypatch.setattr(TrajectoryDataset, "save", crash_on_d_unstable)
+    monkeypatch.setattr(io, "atomic_write_json", crash_on_the_curator_record)
     with pytest.raises(RuntimeError, match="killed"):
         _train(tmp_path, config)
-    monkeypatch.setattr(TrajectoryDataset, "save", original)
+    monkeypatch.setattr(io, "atomic_write_json", original)
     assert (run / "release" / "d_stable.npz").exists()
     (stage,) = read_journal(run / "curator" / "journal.json").report().stages
     assert stage.name == "release" and sum(count for _, count in stage.events) == 5  # T runs, journaled first
@@ -341,8 +343,8 @@ def test_failure6_one_root_derives_every_secret_stream_and_seeds_reproduce_exact
     assert _train(tmp_path, _config(logged, tmp_path / "a", noise_seed=seed)) == 0
     roots = {root for root, _ in handed_out}
     names = [name for _, name in handed_out]
-    assert len(roots) == 1 and sorted(names) == ["release/expert_choice", "release/laplace", "train/noise",
-                                                 "train/sampler"]
+    assert len(roots) == 1 and sorted(names) == ["release/actions", "release/env", "release/expert_choice",
+                                                 "release/laplace", "train/noise", "train/sampler"]
     monkeypatch.setattr(SecretRoot, "sequence", original)
 
     assert _train(tmp_path, _config(logged, tmp_path / "b", noise_seed=seed)) == 0
@@ -350,7 +352,7 @@ def test_failure6_one_root_derives_every_secret_stream_and_seeds_reproduce_exact
 
     def outputs(run):
         weights = torch.load(run / "release" / "policy" / "weights.pt", weights_only=True)
-        choice = json.loads((run / "curator" / "release.json").read_text())["curator_processed_episodes"]
+        choice = json.loads((run / "curator" / "release_runs.json").read_text())["run_experts"]
         return weights, choice, (run / "release" / "d_stable.npz").read_bytes()
 
     (wa, ca, da), (wb, cb, db), (wc, cc, dc) = outputs(tmp_path / "a"), outputs(tmp_path / "b"), outputs(tmp_path / "c")

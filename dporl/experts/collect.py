@@ -35,8 +35,11 @@ Actor = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
-class _Rollout:
-    """Time-major buffers of one batch of slots, each slot one episode of ``lengths[slot]`` transitions."""
+class Rollout:
+    """Time-major buffers of one batch of slots, each slot one episode of ``lengths[slot]`` transitions.
+
+    Also what the stable-prefix release fills with its fresh rollouts (``dporl.algos.stable_prefix``).
+    """
 
     observations: np.ndarray  # [T + 1, N, d]
     actions: np.ndarray  # [T, N]
@@ -49,6 +52,14 @@ class _Rollout:
     def returns(self) -> np.ndarray:
         live = np.arange(self.rewards.shape[0])[:, None] < self.lengths[None, :]
         return np.where(live, self.rewards, 0.0).sum(axis=0, dtype=np.float64)
+
+    def slots(self, index: np.ndarray) -> "Rollout":
+        """The listed slots only (e.g. those with at least one transition, which ``flatten_rollout`` needs)."""
+        return Rollout(
+            self.observations[:, index], self.actions[:, index], self.rewards[:, index],
+            None if self.log_probs is None else self.log_probs[:, index],
+            self.lengths[index], self.terminated[index], self.truncated[index],
+        )
 
 
 def time_limit_kwargs(env_id: str, max_episode_steps: int) -> dict[str, int]:
@@ -106,7 +117,7 @@ def logging_physics(env_id: str, env_params: Mapping[str, Any], env_kwargs: Mapp
 
 
 def _rollout(vector_env: gym.vector.VectorEnv, act: Actor, max_steps: int, seed: int, record_log_probs: bool,
-             progress: tqdm | None = None) -> _Rollout:
+             progress: tqdm | None = None) -> Rollout:
     n_slots = vector_env.num_envs
     obs, _ = vector_env.reset(seed=seed)
     obs = np.asarray(obs, dtype=np.float32).reshape(n_slots, -1)
@@ -138,11 +149,14 @@ def _rollout(vector_env: gym.vector.VectorEnv, act: Actor, max_steps: int, seed:
         if not alive.any():
             break
     truncated |= alive  # still running at max_steps: cut off
-    return _Rollout(observations, actions, rewards, log_probs, lengths, terminated, truncated)
+    return Rollout(observations, actions, rewards, log_probs, lengths, terminated, truncated)
 
 
-def _flatten(rollout: _Rollout) -> dict[str, np.ndarray]:
-    """Slot-major flat arrays in the TrajectoryDataset layout (one vectorised mask per field, no per-slot loop)."""
+def flatten_rollout(rollout: Rollout) -> dict[str, np.ndarray]:
+    """Slot-major flat arrays in the TrajectoryDataset layout (one vectorised mask per field, no per-slot loop).
+
+    Every slot must hold at least one transition (``Rollout.slots`` selects those).
+    """
     steps = rollout.actions.shape[0]
     live = np.arange(steps)[None, :] < rollout.lengths[:, None]  # [N, T]
     live_obs = np.arange(steps + 1)[None, :] <= rollout.lengths[:, None]  # [N, T + 1]
@@ -226,7 +240,7 @@ def collect(
                 bar.update(max_episode_steps - (bar.n - before))  # chunks that end early still fill their share
             finally:
                 vector_env.close()
-            parts.append(_flatten(rollout))
+            parts.append(flatten_rollout(rollout))
             expert_ids.append(np.repeat(np.arange(chunk.start, chunk.stop), n))
     flat = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     flat["observations"] = flat["observations"].reshape(-1, *obs_shape)

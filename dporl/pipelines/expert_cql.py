@@ -5,26 +5,33 @@ Methods (``method``):
 - ``non_private``: CQL on all logged transitions (the upper bound; no guarantee).
 - ``dp_sgd``: expert-level DP-SGD (Algorithm 4) on all data: Poisson over the m experts at rate q = B / m, k
   transitions per sampled expert averaged into one per-expert gradient, clipped, Gaussian noise. Whole budget.
+  Needs neither a simulator nor the expert set.
 - ``stable_only``: the stable-prefix release (Algorithms 1-2) with the whole budget, then noiseless CQL on D_stable.
 - ``mixed``: Algorithm 3. Release with (eps1, delta1) = (f eps, delta / 2), then each step is, with probability p_dp,
   an expert-level DP-SGD step on D_unstable, else a noiseless step on D_stable; training budget (eps - eps1, delta/2).
 
+The release (``release.source: fresh``, the default) rolls the experts out in the public simulator of the logging
+environment and never reads the logged data, so D_unstable is the whole logged dataset. ``release.source: logged``
+is the paper's variant, kept for reproduction: the run prints "the paper's mechanism: NO guarantee" and never a
+GUARANTEE line (its figure is shown as a paper claim).
+
 Privacy unit: one expert (its policy and every trajectory it logged). Accounting: the release stage composes T
-(2 eps', beta)-DP runs by PLD; the training stage records one event per step as the sampler states it (a
-``MixtureEvent`` for Algorithm 3: the branch taken is observable, so the paper's rate-(p_dp q) figure is printed
-beside the guarantee, labelled as not one). Training runs for as many steps as the stage budget allows
-(``trainer.max_steps`` caps it). The guarantee printed at the end is the ledger's (the smaller of basic
-composition and one joint PLD over both stages).
+(2 eps', beta) runs by PLD; the training stage records one event per step as the sampler states it (a
+``MixtureEvent`` for Algorithm 3: the branch taken is observable, so the paper's rate-(p_dp q) figure is recorded as
+a paper claim, not a guarantee). Training runs for as many steps as the stage budget allows (``trainer.max_steps``
+caps it). The guarantee printed at the end is the ledger's (the smaller of basic composition and one joint PLD over
+both stages).
 
 Evaluation (returns of the greedy Q-policy in the public environment) is post-processing and costs nothing.
 
 Run directory (``dporl.train.run_dir``): ``RUN/release/`` receives what the guarantee covers (the greedy policy in
 ``policy/``, D_stable, the release's public parameters, the privacy report, the public summary and public
-TensorBoard scalars); ``RUN/curator/`` everything else (provenance, the journal, checkpoints, D_unstable, the
-release's per-run diagnostics, the full summary, generated data by default). All secret randomness of a run comes
-from one ``SecretRoot`` (``noise_seed``, else 256 bits from the OS CSPRNG): streams "release/laplace",
-"release/expert_choice", "train/sampler", "train/noise". The whole run has the budget (``epsilon``, ``delta``): the
-ledger refuses any stage or state that would take the guarantee past it.
+TensorBoard scalars); ``RUN/curator/`` everything else (provenance, the journal, checkpoints, the release's per-run
+diagnostics: which expert each run followed, the full summary, generated data by default). Nothing printed or in
+``release/`` counts the private logged data. All secret randomness of a run comes from one ``SecretRoot``
+(``noise_seed``, else 256 bits from the OS CSPRNG): streams "release/expert_choice", "release/env",
+"release/actions", "release/laplace", "train/sampler", "train/noise". The whole run has the budget (``epsilon``,
+``delta``): the ledger refuses any stage or state that would take the guarantee past it.
 """
 
 from __future__ import annotations
@@ -37,12 +44,8 @@ from typing import Any, Literal, Optional
 import torch
 
 from dporl.algos.cql import CQLConfig, DiscreteCQL
-from dporl.algos.stable_prefix import (
-    RELEASE_STAGE,
-    StablePrefixConfig,
-    check_release_preconditions,
-    release_stable_prefixes,
-)
+from dporl.algos.expert_sources import Method, expert_source, training_source
+from dporl.algos.stable_prefix import RELEASE_STAGE, StablePrefixConfig, plan_release, release_stable_prefixes
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
@@ -50,8 +53,7 @@ from dporl.pipelines import Pipeline, get_pipeline, register
 from dporl.privacy.accountants import paper_mixture_epsilon
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
-from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
-from dporl.privacy.sparse_vector import stable_prefix_budget
+from dporl.privacy.samplers import MixtureSource
 from dporl.train.config import DPConfig, TrainerConfig
 from dporl.train.export import save_policy
 from dporl.train.run_dir import RunDirectory, RunMode
@@ -61,10 +63,7 @@ from dporl.utils.io import atomic_write_json
 from dporl.utils.seeding import seeded
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
-Method = Literal["non_private", "dp_sgd", "stable_only", "mixed"]
 TRAIN_STAGE = "train"
-# Columns CQL reads; the sources must not carry expert ids or behaviour probabilities into the batches.
-_CQL_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated")
 
 
 @dataclass
@@ -194,46 +193,26 @@ def generate_dataset(generate: dict[str, Any], out_dir: Optional[str | Path] = N
     return outputs["dataset"], outputs["expert_set"]
 
 
-def load_data(config: DataConfig, out_dir: Optional[str | Path] = None) -> tuple[TrajectoryDataset, Optional[ExpertSet]]:
-    """The logged dataset and, when one is known, the expert set that logged it (``out_dir``: where a generated
-    dataset goes when ``generate`` names no out_dir)."""
+def load_data(
+    config: DataConfig, out_dir: Optional[str | Path] = None, need_experts: bool = True
+) -> tuple[TrajectoryDataset, Optional[ExpertSet]]:
+    """The logged dataset and, when asked for and known, the expert set that logged it (``out_dir``: where a
+    generated dataset goes when ``generate`` names no out_dir)."""
     if config.generate is not None:
         dataset_path, expert_path = generate_dataset(config.generate, out_dir)
         expert_path = config.expert_set or expert_path
     else:
         dataset_path, expert_path = config.dataset, config.expert_set
     dataset = TrajectoryDataset.load(dataset_path)
+    if not need_experts:
+        return dataset, None
     if expert_path is None:
         expert_path = (dataset.metadata.expert_set or {}).get("path")
     experts = ExpertSet.load(expert_path) if expert_path is not None else None
     return dataset, experts
 
 
-def cql_columns(dataset: TrajectoryDataset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(the columns CQL reads, the expert id of every transition)."""
-    transitions = dataset.transitions().to_torch()
-    return {k: transitions[k] for k in _CQL_KEYS}, transitions["expert_ids"]
-
-
-def expert_source(dataset: TrajectoryDataset, n_experts: int, config: ExpertCQLConfig) -> PoissonUnitSource:
-    """Algorithm 4's sampler: every one of the m experts (those without rows too) included with rate B / m."""
-    if config.batch_size > n_experts:
-        raise ValidationError("batch_size", f"expected batch {config.batch_size} exceeds the {n_experts} experts")
-    columns, experts = cql_columns(dataset)
-    return PoissonUnitSource(columns, experts, n_experts, config.batch_size / n_experts, config.dp.rows_per_expert)
-
-
-def uniform_source(dataset: TrajectoryDataset, batch_size: int, what: str) -> UniformBatchSource:
-    if dataset.n_transitions == 0:
-        raise ValidationError("release", f"{what} is empty: nothing to train on (raise the release budget or T)")
-    return UniformBatchSource(cql_columns(dataset)[0], batch_size)
-
-
 # ---------------------------------------------------------------------------------------------------- release
-_PUBLIC_RELEASE_KEYS = ("trajectories_processed", "stable_episodes", "stable_transitions", "epsilon_prime", "beta",
-                        "threshold", "noise_scale")
-
-
 def run_release(
     dataset: TrajectoryDataset,
     experts: Optional[ExpertSet],
@@ -242,23 +221,23 @@ def run_release(
     ledger: PrivacyLedger,
     run: RunDirectory,
     root: SecretRoot,
-) -> tuple[TrajectoryDataset, TrajectoryDataset, dict[str, Any]]:
-    """(D_stable, D_unstable, the release's public summary); a paid release of this run is reused, never repeated.
+) -> tuple[TrajectoryDataset, dict[str, Any]]:
+    """(D_stable, the release's public summary); a paid release of this run is reused, never repeated.
 
     Order (write-ahead): the release stage's T events are journaled before any query is answered (the ledger is
-    the run's journaled ledger), then the artifacts are written (D_stable to release/, the rest to curator/), then
-    the journal marks the release complete with the artifacts' fingerprints. A resumed run reuses a complete
-    release after checking those fingerprints; an attempt that was authorised but never completed has spent its
-    budget, and a second release is refused rather than left uncounted.
+    the run's journaled ledger), then the artifacts are written (D_stable and its public summary to release/, which
+    expert each run followed to curator/), then the journal marks the release complete with D_stable's
+    fingerprint. A resumed run reuses a complete release after checking that fingerprint; an attempt that was
+    authorised but never completed has spent its budget, and a second release is refused rather than left
+    uncounted. D_unstable is the whole logged dataset (the release never reads it): nothing to write.
     """
     manifest = run.completed(RELEASE_STAGE)
     if manifest is not None:
         stable = TrajectoryDataset.load(run.release / "d_stable.npz")
-        unstable = TrajectoryDataset.load(run.curator / "d_unstable.npz")
-        if (stable.fingerprint(), unstable.fingerprint()) != (manifest["d_stable"], manifest["d_unstable"]):
+        if stable.fingerprint() != manifest["d_stable"]:
             raise ValidationError("release", f"the release files in {run.root} differ from the release its journal "
                                   "recorded: refusing to train on them")
-        return stable, unstable, manifest["public"]
+        return stable, manifest["public"]
     if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
         raise PrivacyBudgetError(
             "release",
@@ -266,33 +245,14 @@ def run_release(
             f"{run.journal_path}) but did not finish writing it; a second release would not fit the budget. Start a "
             "new run_dir (or --overwrite: the interrupted attempt's spend is then not part of the new guarantee)",
         )
-    if experts is None:
-        raise ValidationError("data.expert_set", "the stable-prefix release needs the expert set that logged the data")
     result = release_stable_prefixes(
-        dataset,
-        experts,
-        epsilon=budget[0],
-        delta=budget[1],
-        config=config.release,
-        noise=root.noise("release/laplace"),
-        # Which expert and trajectory each run takes is part of the mechanism's randomness (Lemma 5.1 is over the
-        # uniform choice of expert): as secret as the Laplace noise, from its own stream of the run's root.
-        generator=root.torch_generator("release/expert_choice"),
-        ledger=ledger,
+        dataset, experts, epsilon=budget[0], delta=budget[1], config=config.release, root=root, ledger=ledger,
+        progress=config.trainer.progress,
     )
-    summary = result.summary()
-    public = {key: summary[key] for key in _PUBLIC_RELEASE_KEYS}
-    result.stable.save(run.release / "d_stable.npz")
-    atomic_write_json(run.release / "release.json", public)
-    result.unstable.save(run.curator / "d_unstable.npz")
-    atomic_write_json(run.curator / "release.json", {
-        **summary,
-        "curator_processed_episodes": result.processed_episodes.tolist(),
-        "curator_prefix_lengths": result.prefix_lengths.tolist(),
-    })
-    run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint(),
-                                 "d_unstable": result.unstable.fingerprint()})
-    return result.stable, result.unstable, public
+    result.save(run.release, run.curator)
+    public = result.summary()
+    run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
+    return result.stable, public
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -332,14 +292,15 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
         replaced = run.root if run.mode == "overwrite" and run.existing else None
         check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
         run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
-    dataset, experts = load_data(config.data, run.curator / "data")
+    budgets = config.stage_budgets()
+    # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
+    dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
     meta = dataset.metadata
     if len(meta.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")
     run.check_inputs(dataset=dataset.fingerprint(), **({"expert_set": experts.fingerprint()} if experts else {}))
     if run.finished:
         return run.read_summary()
-    budgets = config.stage_budgets()
     sigma = _preflight(config, dataset, experts, budgets)
     with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
         algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit="expert")
@@ -372,14 +333,12 @@ def _preflight(
     the release's preconditions and budget, and whether one training step fits the training budget. Returns the
     training stage's noise multiplier (calibrated here once when the config leaves it to the budget)."""
     m = dataset.metadata.n_experts
-    if RELEASE_STAGE in budgets:
-        if experts is None:
-            raise ValidationError("data.expert_set", "the stable-prefix release needs the expert set that logged the data")
+    if RELEASE_STAGE in budgets:  # no simulator, no (or a foreign) expert set, p_min, budget: every refusal
         eps1, delta1 = budgets[RELEASE_STAGE]
-        p_min = check_release_preconditions(dataset, experts, config.release)
-        stable_prefix_budget(eps1, delta1, config.release.trajectories, p_min, m, monotone=config.release.monotone)
+        plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release)
     if TRAIN_STAGE in budgets:
-        private = expert_source(dataset, m, config)  # the sampling rate B / m does not depend on which rows
+        # The sampling rate B / m does not depend on which rows.
+        private = expert_source(dataset, m, config.batch_size, config.dp.rows_per_expert)
         source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
         return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps,
                             source.step_event)[0]
@@ -388,28 +347,20 @@ def _preflight(
 
 def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorithm, evaluate, env) -> dict:
     meta = dataset.metadata
-    release_public = None
+    stable, release_public = None, None
     if RELEASE_STAGE in budgets:
-        stable, unstable, release_public = run_release(
-            dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root
+        stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root)
+        # Only functions of the release are printed: never a count of the private logged data.
+        print(
+            f"stable-prefix release ({release_public.get('source', config.release.source)} prefixes): "
+            f"{stable.n_episodes} prefixes of {config.release.trajectories} runs, {stable.n_transitions} transitions "
+            f"in D_stable"
         )
-        print(f"stable-prefix release: {stable.n_transitions} stable transitions released")
-    else:
-        stable, unstable = None, dataset
-
-    m = meta.n_experts
-    if config.method == "non_private":
-        source, dp = uniform_source(dataset, config.batch_size, "the dataset"), None
-    elif config.method == "stable_only":
-        source, dp = uniform_source(stable, config.batch_size, "D_stable"), None
-    else:
-        private = expert_source(unstable, m, config)
-        source = (
-            private
-            if config.method == "dp_sgd"
-            else MixtureSource(config.dp.p_dp, private, uniform_source(stable, config.batch_size, "D_stable"))
-        )
-        dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma)
+    source = training_source(
+        config.method, dataset, stable, batch_size=config.batch_size, rows_per_expert=config.dp.rows_per_expert,
+        p_dp=config.dp.p_dp,
+    )
+    dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma) if TRAIN_STAGE in budgets else None
 
     pipeline_config = {**to_dict(config), "resolved": {"env_id": config.eval.env_id or meta.env_id}}
     result = Trainer(
@@ -427,6 +378,7 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
         secret_root=root,
     ).fit()
 
+    _record_paper_figure(config, source, result, ledger)
     report = ledger.report()
     privacy = report.to_dict()
     returns = [metrics["eval/return_mean"] for _, metrics in result.eval_history if "eval/return_mean" in metrics]
@@ -450,33 +402,38 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
         "release": release_public,
         "stable_transitions": None if stable is None else int(stable.n_transitions),
         "privacy": privacy,
-        "paper_mixture_epsilon_NOT_A_GUARANTEE": _paper_figure(config, source, result),
         "policy": "policy/",
     }
     run.write_summaries(public, {**public, "run_dir": str(run.root), "config": to_dict(config), "inputs": run.inputs,
                                  "final_metrics_all": result.metrics})
-    print(report.describe() if report.stages else "NO PRIVACY GUARANTEE: non-private baseline (method non_private)")
-    if public["paper_mixture_epsilon_NOT_A_GUARANTEE"] is not None:
-        print(
-            f"paper's accounting of the training stage (rate p_dp * q; NOT a guarantee: the branch is observable): "
-            f"eps={public['paper_mixture_epsilon_NOT_A_GUARANTEE']:.4g}"
-        )
+    if report.stages or report.void is not None:
+        print(report.describe())
+    else:
+        print("NO PRIVACY GUARANTEE: non-private baseline (method non_private)")
     print(f"release (safe to share): {run.release}; curator-only (never share): {run.curator}")
     return public
 
 
-def _paper_figure(config: ExpertCQLConfig, source: Any, result) -> Optional[float]:
-    """The expert-level paper's epsilon for the training stage of Algorithm 3, for comparison only."""
+def _record_paper_figure(config: ExpertCQLConfig, source: Any, result, ledger: PrivacyLedger) -> None:
+    """The expert-level paper's epsilon for the training stage of Algorithm 3, as a paper claim (never a guarantee)."""
     if not isinstance(source, MixtureSource) or result.budget_steps == 0:
-        return None
+        return
     eps2, delta2 = config.stage_budgets()[TRAIN_STAGE]
-    return paper_mixture_epsilon(
+    epsilon = paper_mixture_epsilon(
         source.private_probability,
         source.private_source.sample_rate,
         result.noise_multiplier,
         result.budget_steps,
         delta2,
         config.dp.accountant,
+    )
+    name = "Algorithm 3's training stage accounted at rate p_dp * q"
+    if any(claim.name == name for claim in ledger.paper_claims):  # a resumed run recovered it from its journal
+        return
+    ledger.paper_claim(
+        name, epsilon, delta2,
+        "Sharma et al. 2024: every step as a subsampled Gaussian at rate p_dp * q; the branch a step takes is "
+        "observable, so the sound analysis is the mixture (recorded in stage 'train')",
     )
 
 

@@ -1,0 +1,71 @@
+"""The batch sources of expert-level private CQL (expert-level paper, Algorithms 3 and 4), built from datasets.
+
+- ``expert_source``: Algorithm 4's sampler. Every one of the m experts (those without rows too) is included with
+  rate q = B / m; a sampled expert contributes ``rows_per_expert`` of its transitions, averaged into one
+  per-expert gradient by the engine.
+- ``stable_source``: noiseless steps on B transitions of D_stable, uniformly with replacement.
+- ``training_source``: what a method trains on (the pipeline's, and the audits', single builder): ``non_private``
+  on the whole logged dataset, ``stable_only`` on D_stable, ``dp_sgd`` on the expert source over the whole logged
+  dataset, ``mixed`` the Algorithm-3 mixture of both (D_unstable is the whole logged dataset: the sound release
+  never reads it).
+
+Batches carry only the columns CQL reads (``CQL_KEYS``): never expert ids or behaviour probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+
+from dporl.data.dataset import TrajectoryDataset
+from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
+from dporl.utils.validation import ValidationError
+
+Method = Literal["non_private", "dp_sgd", "stable_only", "mixed"]
+CQL_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated")
+
+
+def cql_columns(dataset: TrajectoryDataset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the columns CQL reads, the expert id of every transition)."""
+    transitions = dataset.transitions().to_torch()
+    return {k: transitions[k] for k in CQL_KEYS}, transitions["expert_ids"]
+
+
+def expert_source(dataset: TrajectoryDataset, n_experts: int, batch_size: int, rows_per_expert: int) -> PoissonUnitSource:
+    """Algorithm 4's sampler: every one of the m experts (those without rows too) included with rate B / m."""
+    if batch_size > n_experts:
+        raise ValidationError("batch_size", f"expected batch {batch_size} exceeds the {n_experts} experts")
+    columns, experts = cql_columns(dataset)
+    return PoissonUnitSource(columns, experts, n_experts, batch_size / n_experts, rows_per_expert)
+
+
+def stable_source(dataset: TrajectoryDataset, batch_size: int, what: str = "D_stable") -> UniformBatchSource:
+    """Noiseless steps: ``batch_size`` transitions of ``dataset`` uniformly with replacement."""
+    if dataset.n_transitions == 0:
+        raise ValidationError("release", f"{what} is empty: nothing to train on (raise the release budget or T)")
+    return UniformBatchSource(cql_columns(dataset)[0], batch_size)
+
+
+def training_source(
+    method: Method,
+    logged: TrajectoryDataset,
+    stable: Optional[TrajectoryDataset],
+    *,
+    batch_size: int,
+    rows_per_expert: int = 1,
+    p_dp: float = 0.5,
+):
+    """The batch source ``method`` trains on (see the module docstring); m = ``logged.metadata.n_experts``."""
+    if method == "non_private":
+        return stable_source(logged, batch_size, "the dataset")
+    if method in ("stable_only", "mixed") and stable is None:
+        raise ValidationError("method", f"{method} trains on D_stable: run the release first")
+    if method == "stable_only":
+        return stable_source(stable, batch_size)
+    private = expert_source(logged, logged.metadata.n_experts, batch_size, rows_per_expert)
+    if method == "dp_sgd":
+        return private
+    if method == "mixed":
+        return MixtureSource(p_dp, private, stable_source(stable, batch_size))
+    raise ValidationError("method", f"unknown method {method!r}")
