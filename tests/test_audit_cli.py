@@ -80,3 +80,31 @@ def test_config_audit_of_a_paper_mode_ope_run(tmp_path):
     (result,) = json.loads(out.read_text())["results"]
     assert result["mechanism"] == "gpope_paper" and result["settings"]["n_trajectories"] == 50
     assert "SampledWithoutReplacementGaussianEvent(noise_multiplier=1.5, sample_size=1, population=50)" in result["analysis"]
+
+
+def test_config_audit_attacks_the_configs_own_fixed_data(tmp_path):
+    """With the config's dataset and expert set on disk, the release audit runs on D = that data and D' = D minus
+    expert --target, for the configured release.source (logged: dporl claims nothing, the paper's figure is a
+    reference)."""
+    from dporl.experts.analytic import cartpole_lqr_experts
+    from dporl.experts.collect import collect
+    from dporl.experts.expert_set import ExpertSet
+
+    policy, _ = cartpole_lqr_experts([{"gravity": 9.8}], 120, seed=0)
+    experts = ExpertSet(policy, 0.1, "argmax")
+    experts.save(tmp_path / "experts.pt")
+    collect(experts, "CartPole-v1", 2, max_episode_steps=30, seed=0, progress=False).save(tmp_path / "data.npz")
+    for source in ("fresh", "logged"):
+        config = tmp_path / f"{source}.yaml"
+        config.write_text(
+            f"pipeline: expert_cql\nmethod: stable_only\nepsilon: 2.0\ndelta: 1.0e-5\n"
+            f"data: {{dataset: {tmp_path / 'data.npz'}, expert_set: {tmp_path / 'experts.pt'}}}\n"
+            f"release: {{trajectories: 2, source: {source}}}\n"
+        )
+        out = tmp_path / f"{source}.json"
+        assert main(["--config", str(config), "--trials", "2000", "--no-progress", "--target", "3",
+                     "--out", str(out)]) == 0
+        (result,) = json.loads(out.read_text())["results"]
+        assert "the dataset's 120 experts" in result["neighbours"] and "expert 3" in result["neighbours"]
+        assert result["mechanism"] == ("stable_prefix" if source == "fresh" else "stable_prefix_logged")
+        assert (result["claimed_epsilon"] == float("inf")) == (source == "logged")

@@ -64,15 +64,38 @@ def test_output_perturbation_and_reward_perturbation_audits():
         assert weakened.violated, weakened.describe()
 
 
-def test_stable_prefix_release_audit():
-    pytest.importorskip("dporl.privacy.sparse_vector")
+def test_stable_prefix_audit_on_fixed_data_refutes_logged_prefixes_and_passes_fresh_rollouts():
+    """The real release (plan_release / execute_release) on the fixed pair D, D' = D minus the target, per run
+    (claim 2 eps' = 1.0 at beta = 5e-6; 110 experts; the target is chosen in 1/110 of the runs).
+
+    Logged prefixes: D_stable holds one of the target's logged rows with probability ~ (1/110) x 0.75 (its logged
+    first action agrees with the others and the first query passes), never under D'. At 10^4 trials per neighbour
+    (half held out) that is ~34 events against 0: Clopper-Pearson bounds 0.0047 / 0.00074 certify eps >= ~1.85, above
+    the paper's 1.0 (measured 1.92 on this seed). Fresh rollouts never reproduce a logged row, and prefixes holding
+    the target's distinctive actions fail their queries: the bound stays at the noise floor (measured 0.0).
+    Threshold removed (noise / 1000): whole rollouts are released, the target's (1/110 of runs) take ~10 actions no
+    other expert prefers, so the likelihood-ratio test fires with probability ~0.009 vs ~0 under D'; at 6000 trials
+    (27 vs 0 events expected) eps >= ~1.6 > 1.0 (measured 2.2 at 10^4 trials)."""
+    from dporl.audit.stable_prefix_audit import MEMBERSHIP_SCORE, stable_prefix_audit
+
+    honest = run_audit(stable_prefix_audit(), 10_000, seed=7)
+    assert not honest.violated and honest.claimed_epsilon == pytest.approx(1.0, abs=1e-3), honest.describe()
+    logged = run_audit(stable_prefix_audit(source="logged"), 10_000, seed=7)
+    assert logged.claimed_epsilon == float("inf")  # dporl claims nothing for the paper's variant
+    assert logged.exceeded_references() == ["paper (logged prefixes as fresh rollouts)"], logged.describe()
+    assert logged.epsilon_lower_bound > 1.0 + 0.5 and logged.bound.test.threshold > MEMBERSHIP_SCORE / 2
+    broken = run_audit(stable_prefix_audit(threshold_factor=0.0, noise_factor=1e-3), 6_000, seed=8)
+    assert broken.violated, broken.describe()
+
+
+def test_stable_prefix_audit_of_whole_releases():
+    """Stage level: a trial is a release of T = 4 runs; the claim is their PLD composition (about 4 x 2 eps' at
+    delta). The fresh release stays consistent with it."""
     from dporl.audit.stable_prefix_audit import stable_prefix_audit
 
-    honest = run_audit(stable_prefix_audit(), 3_000, seed=7)
-    assert not honest.violated, honest.describe()
-    # Without a threshold the canary's whole rollouts are released: P_D[>= 8 ones] ~ 0.68 / 21 vs P_D'[...] ~ 1e-4.
-    leaky = run_audit(stable_prefix_audit(threshold_factor=0.0, noise_factor=1e-3), 3_000, seed=8)
-    assert leaky.violated, leaky.describe()
+    audit = stable_prefix_audit(epsilon=2.0, trajectories=4, level="release")
+    result = run_audit(audit, 1_000, seed=9)
+    assert not result.violated and 1.5 < result.claimed_epsilon <= 2.0, result.describe()
 
 
 def test_several_dpsgd_steps_audit_the_composition():

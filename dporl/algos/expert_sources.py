@@ -32,19 +32,22 @@ def cql_columns(dataset: TrajectoryDataset) -> tuple[dict[str, torch.Tensor], to
     return {k: transitions[k] for k in CQL_KEYS}, transitions["expert_ids"]
 
 
-def expert_source(dataset: TrajectoryDataset, n_experts: int, batch_size: int, rows_per_expert: int) -> PoissonUnitSource:
-    """Algorithm 4's sampler: every one of the m experts (those without rows too) included with rate B / m."""
+def expert_source(
+    dataset: TrajectoryDataset, n_experts: int, batch_size: float, rows_per_expert: int
+) -> PoissonUnitSource:
+    """Algorithm 4's sampler: every one of the m experts (those without rows too) included with rate B / m
+    (B = ``batch_size``, the expected number of experts per step; the population size m is public)."""
     if batch_size > n_experts:
         raise ValidationError("batch_size", f"expected batch {batch_size} exceeds the {n_experts} experts")
     columns, experts = cql_columns(dataset)
     return PoissonUnitSource(columns, experts, n_experts, batch_size / n_experts, rows_per_expert)
 
 
-def stable_source(dataset: TrajectoryDataset, batch_size: int, what: str = "D_stable") -> UniformBatchSource:
-    """Noiseless steps: ``batch_size`` transitions of ``dataset`` uniformly with replacement."""
+def stable_source(dataset: TrajectoryDataset, batch_size: float, what: str = "D_stable") -> UniformBatchSource:
+    """Noiseless steps: ``batch_size`` (rounded, >= 1) transitions of ``dataset`` uniformly with replacement."""
     if dataset.n_transitions == 0:
         raise ValidationError("release", f"{what} is empty: nothing to train on (raise the release budget or T)")
-    return UniformBatchSource(cql_columns(dataset)[0], batch_size)
+    return UniformBatchSource(cql_columns(dataset)[0], max(1, int(round(batch_size))))
 
 
 def training_source(
@@ -52,7 +55,7 @@ def training_source(
     logged: TrajectoryDataset,
     stable: Optional[TrajectoryDataset],
     *,
-    batch_size: int,
+    batch_size: float,
     rows_per_expert: int = 1,
     p_dp: float = 0.5,
 ):

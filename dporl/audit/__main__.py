@@ -1,7 +1,7 @@
 """Audit dporl's privacy claims empirically.
 
     python -m dporl.audit --mechanism dpsgd_step --trials 20000 [--power] [noise_multiplier=2 sample_rate=0.1]
-    python -m dporl.audit --config configs/expert_cql_cartpole.yaml --trials 20000 [--out audit.json] [key=value]
+    python -m dporl.audit --config configs/expert_cql_cartpole.yaml --trials 20000 [--target 0] [--out a.json] [key=value]
     python -m dporl.audit --all --trials 20000 [--power]
     python -m dporl.audit --list
 
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--power", action="store_true", help="break the mechanism on purpose: the audit must object")
     parser.add_argument("--n-experts", type=int, default=None, help="--config: experts m, if not read from the data")
     parser.add_argument("--p-min", type=float, default=None, help="--config: p_min, if not read from the data")
+    parser.add_argument("--target", type=int, default=0,
+                        help="--config: the expert the stable-prefix audit removes from the config's data (D' = D minus it)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help="key=value")
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.power:
                 raise ValidationError("--power", "applies to built-in audits only")
             data = apply_overrides(load_yaml(args.config), args.overrides)
-            experiments = audits_for_config(data, n_experts=args.n_experts, p_min=args.p_min)
+            experiments = audits_for_config(data, n_experts=args.n_experts, p_min=args.p_min, target=args.target)
         elif args.all:
             experiments = [build_audit(name, power=args.power) for name in sorted(AUDITS)]
         else:

@@ -5,14 +5,18 @@ one output-perturbation release) with the config's noise multiplier, sample rate
 the composition over steps is the accountant's and is not re-derived empirically. The canary constructions
 use few units: a Poisson step's event depends only on (sigma, q), not on the population, so the claim is the same.
 
-- ``expert_cql``: ``dp_sgd`` -> one DP-SGD step; ``mixed`` -> one mixture step (and the paper's figure beside it);
-  ``stable_only`` / ``mixed`` -> one stable-prefix run (needs m and p_min: from the dataset's metadata, or given).
+- ``expert_cql``: ``dp_sgd`` -> one DP-SGD step; ``mixed`` -> one mixture step (and the paper's figure beside it),
+  both on fixed canary datasets through the pipeline's own sources; ``stable_only`` / ``mixed`` -> one run of the
+  stable-prefix release with the config's budget, T and ``release.source``, on the config's OWN fixed data (its
+  dataset and expert set, when they exist on disk: D, and D minus expert ``target``) or, without them, on the
+  built-in CartPole pair with m and p_min given.
 - ``ope``: one GPOPE update (Poisson or paper mode, smallest m of the sweep) and the configured DP-LSW / DP-LSL
   releases.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -27,28 +31,40 @@ from dporl.utils.validation import ValidationError
 SUPPORTED = ("expert_cql", "ope")
 
 
-def _experts_and_p_min(config, n_experts: Optional[int], p_min: Optional[float]) -> tuple[int, Optional[float]]:
-    if n_experts is not None:
-        return n_experts, p_min
-    path = config.data.dataset
-    if path is None:
-        raise ValidationError("n_experts", "the config generates its data: pass --n-experts (and --p-min)")
+def _logged_data(config):
+    """(dataset, expert set) the config trains on, if they exist on disk (generated data: once train.py ran)."""
     from dporl.data.dataset import TrajectoryDataset
+    from dporl.experts.expert_set import ExpertSet
 
-    meta = TrajectoryDataset.load(path).metadata
-    return meta.n_experts, meta.p_min if p_min is None else p_min
+    if config.data.dataset is not None:
+        dataset_path, expert_path = Path(config.data.dataset), config.data.expert_set
+    else:
+        out_dir = Path(config.data.generate.get("out_dir", "runs/dataset"))
+        dataset_path, expert_path = out_dir / "dataset.npz", config.data.expert_set or out_dir / "experts.pt"
+    if not dataset_path.is_file():
+        return None, None
+    dataset = TrajectoryDataset.load(dataset_path)
+    expert_path = expert_path or (dataset.metadata.expert_set or {}).get("path")
+    experts = ExpertSet.load(expert_path) if expert_path is not None and Path(expert_path).is_file() else None
+    return dataset, experts
 
 
 def expert_cql_audits(
-    data: Mapping[str, Any], *, n_experts: Optional[int] = None, p_min: Optional[float] = None
+    data: Mapping[str, Any], *, n_experts: Optional[int] = None, p_min: Optional[float] = None, target: int = 0
 ) -> list[Experiment]:
+    from dporl.audit.stable_prefix_audit import neighbours_of, stable_prefix_audit
     from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig
 
     config = from_dict(ExpertCQLConfig, data)
     budgets = config.stage_budgets()
     if not budgets:
         raise ValidationError("method", "a non_private run makes no privacy claim to audit")
-    m, p_min = _experts_and_p_min(config, n_experts, p_min)
+    dataset, experts = _logged_data(config)
+    m = n_experts if n_experts is not None else (dataset.metadata.n_experts if dataset is not None else None)
+    p_min = p_min if p_min is not None else (dataset.metadata.p_min if dataset is not None else None)
+    if m is None:
+        raise ValidationError("n_experts", "the config's data are not on disk (generated data: run train.py first): "
+                                           "pass --n-experts (and --p-min)")
     audits = []
     if TRAIN_STAGE in budgets:
         eps2, delta2 = budgets[TRAIN_STAGE]
@@ -63,18 +79,21 @@ def expert_cql_audits(
                 make_event=step_event_factory(q, config.dp.p_dp if mixed else None), mechanism=config.dp.accountant,
             )
         common = {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": config.dp.max_grad_norm,
-                  "delta": delta2, "accountant": config.dp.accountant}
+                  "delta": delta2, "accountant": config.dp.accountant, "rows_per_expert": config.dp.rows_per_expert}
         if mixed:
             audits.append(build_audit("mixture", {"private_probability": config.dp.p_dp, **common}))
         else:
             audits.append(build_audit("dpsgd_step", {**common, "mode": config.dp.clipping}))
     if RELEASE_STAGE in budgets:
-        if p_min is None:
-            raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
         eps1, delta1 = budgets[RELEASE_STAGE]
-        audits.append(build_audit("stable_prefix", {
-            "epsilon": eps1, "delta": delta1, "trajectories": config.release.trajectories, "n_experts": m, "p_min": p_min,
-        }))
+        release = {"epsilon": eps1, "delta": delta1, "trajectories": config.release.trajectories,
+                   "source": config.release.source}
+        if dataset is not None and experts is not None:  # the config's own fixed data
+            audits.append(stable_prefix_audit(**release, neighbours=neighbours_of(dataset, experts, target)))
+        else:
+            if p_min is None:
+                raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
+            audits.append(stable_prefix_audit(**release, n_experts=m, p_min=p_min))
     return audits
 
 

@@ -1,22 +1,25 @@
-"""Audits of one DP-SGD step (autograd path), the mixture step of Algorithm 3, and one GPOPE update (Poisson and
-the paper's one-trajectory replace-one mode).
+"""Audits of expert-level DP-SGD steps (Algorithm 4), the mixture step of Algorithm 3, and one GPOPE update
+(Poisson and the paper's one-trajectory replace-one mode).
 
-All run the library's own code: ``PoissonUnitSource`` draws the sample, ``DPSGDEngine`` clips, sums and adds the
-``NoiseSource`` noise, and the claimed epsilon is the accountant's for the event the source states.
+All run the library's own code: the claimed epsilon is the accountant's for the event the source states,
+``DPSGDEngine`` clips, sums and adds the ``NoiseSource`` noise.
 
-Vectorised trials: ``trials`` independent steps run as ONE engine call on a module holding ``trials`` independent
-parameter blocks (row r's loss touches only its trial's block). Clipping is per unit over the whole parameter
-vector, which equals the norm within the unit's block; the noise is i.i.d. per coordinate; Poisson sampling over
-``trials x units`` unit copies with rate q samples each trial's units independently with rate q. So the blocks
-are exactly ``trials`` independent DP-SGD steps.
+Expert-level steps on FIXED data. D is a ``TrajectoryDataset`` of m experts: a canary expert whose every logged
+observation is 100 C e1, and m - 1 others whose observations are fixed vectors orthogonal to e1; D' is D without
+the canary's episodes. The population size is public (the sampler counts experts without rows; README), so both
+keep m experts and the sampling rate q = B / m. The batch source is the one the expert_cql pipeline trains with,
+built by ``dporl.algos.expert_sources.training_source`` (``dp_sgd``: Poisson over experts with ``rows_per_expert``
+rows per sampled expert; ``mixed``: Algorithm 3's ``MixtureSource`` around it and D_stable). The learner is linear
+with loss -w . obs per row, so a unit's gradient is minus the mean of its rows (the canary's is clipped to exactly
+C along -e1; the others' add nothing along e1), and one SGD step of learning rate 1 from w = 0 releases
+w = -(clipped sum + noise) / B. Statistic: the released parameters' e1 coordinate in units of C / B (likelihood-ratio
+optimal). Several steps of the constant canary are independent, so their statistics add.
 
-Worst-case canary (add/remove one unit): the canary unit's gradient has norm 100 C along e1 (clipped to exactly C
-along e1); every other unit's gradient is orthogonal to e1, so it adds nothing to the statistic, the projection of
-the released gradient on e1 in units of C (the likelihood-ratio-optimal direction).
-
-The divisor. The engine divides the noisy sum by ``expected_batch_size``; the audit gives both neighbours the
-same public constant q * (units of D), because the analysed mechanism is the noisy *sum*. (The Trainer passes
-``source.expected_batch_size = q * n_units``, which depends on the dataset size: see the AUDIT report.)
+Vectorised trials: every trial draws its own batch from the real source (its own Poisson inclusions and, for the
+mixture, its own branch); the private batches of all trials then run as ONE engine call on a module holding one
+parameter block per trial (row r's loss touches only its trial's block). Clipping is per unit over the whole
+parameter vector, which equals the norm within the unit's block, and the noise is i.i.d. per coordinate, so the
+blocks are exactly independent DP-SGD steps.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ def step_event_factory(sample_rate: float, private_probability: float | None = N
 
 
 class IndependentSteps(nn.Module):
-    """``trials`` independent linear models y = w_j . x as one module; a row's loss is -w_{trial(row)} . x_row."""
+    """``trials`` independent linear models as one module. An observation's last coordinate is the trial copy it
+    belongs to (``canary_dataset(copies=...)``); row r's loss is -w_{trial(r)} . features(r), features = the rest."""
 
-    privacy_unit = "unit"
+    privacy_unit = "expert"
 
     def __init__(self, trials: int, dim: int):
         super().__init__()
@@ -57,12 +61,13 @@ class IndependentSteps(nn.Module):
         nn.init.zeros_(self.layer.weight)
 
     def row_losses(self, batch) -> torch.Tensor:
-        outputs = self.layer(batch.data["x"])  # [rows, trials]
-        return -outputs.gather(1, batch.data["trial"].unsqueeze(1)).squeeze(1)
+        obs = batch.data["obs"]
+        outputs = self.layer(obs[:, :-1])  # [rows, trials]
+        return -outputs.gather(1, obs[:, -1:].long()).squeeze(1)
 
 
 def _other_units(n_units: int, dim: int, clip: float) -> torch.Tensor:
-    """Fixed non-canary gradients (the same in D and D'), orthogonal to e1, norms spread around the clip norm."""
+    """Fixed non-canary vectors (the same in D and D'), orthogonal to e1, norms spread around the clip norm."""
     generator = make_generator(12345)
     x = torch.randn(n_units, dim, generator=generator)
     x[:, 0] = 0.0
@@ -70,31 +75,72 @@ def _other_units(n_units: int, dim: int, clip: float) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12) * norms.unsqueeze(1)
 
 
-def _dataset(units: torch.Tensor, with_canary: bool, clip: float) -> torch.Tensor:
-    if not with_canary:
-        return units
-    canary = torch.zeros(1, units.shape[1])
-    canary[0, 0] = -CANARY_NORM * clip  # loss -w.x: gradient -x = +100 C e1
-    return torch.cat([canary, units])
+def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_expert: int, with_canary: bool, copies: int = 1):
+    """The fixed expert-level dataset D (``with_canary``) or D', ``copies`` times (one per trial).
 
+    In every copy, expert 0 is the canary, whose every observation is 100 C e1; expert i > 0 logs one episode of
+    ``rows_per_expert`` steps at its fixed vector (orthogonal to e1). Copy c holds experts c m .. c m + m - 1 and
+    its observations carry c as an extra last coordinate (the trial index ``IndependentSteps`` routes by).
+    """
+    from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
-def dpsgd_step_scores(
-    n: int, units: torch.Tensor, *, sample_rate: float, noise_multiplier: float, clip: float,
-    expected_batch_size: float, mode: str, seed: int,
-) -> np.ndarray:
-    """Released gradient's e1 coordinate, in units of C, for ``n`` independent DP-SGD steps on ``units``."""
-    per_trial, dim = units.shape
-    x = units.repeat(n, 1)
-    trial = torch.arange(n).repeat_interleave(per_trial)
-    source = PoissonUnitSource({"x": x, "trial": trial}, torch.arange(n * per_trial), n * per_trial, sample_rate)
-    batch = source.sample(make_generator(seed))
-    model = IndependentSteps(n, dim)
-    engine = DPSGDEngine(
-        model, max_grad_norm=clip, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-        noise=NoiseSource(seed + 1), mode=mode,
+    vectors = torch.cat([torch.zeros(1, dim), _other_units(n_experts - 1, dim, clip)])
+    vectors[0, 0] = CANARY_NORM * clip  # loss -w . obs: the canary's gradient is -100 C e1
+    members = np.arange(0 if with_canary else 1, n_experts)
+    length, n = rows_per_expert, copies * len(members)
+    per_copy = vectors[members].repeat_interleave(length + 1, dim=0).numpy()
+    copy_index = np.repeat(np.arange(copies, dtype=np.float32), len(per_copy))[:, None]
+    observations = np.concatenate([np.tile(per_copy, (copies, 1)), copy_index], axis=1)
+    terminations = np.zeros(n * length, dtype=bool)
+    terminations[length - 1 :: length] = True
+    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_experts=copies * n_experts,
+                               obs_shape=(dim + 1,))
+    return TrajectoryDataset(
+        observations=observations, actions=np.zeros(n * length, dtype=np.int64),
+        rewards=np.zeros(n * length, dtype=np.float32), terminations=terminations,
+        truncations=np.zeros(n * length, dtype=bool), episode_lengths=np.full(n, length, dtype=np.int64),
+        expert_ids=(np.arange(copies)[:, None] * n_experts + members[None, :]).ravel(), metadata=metadata,
     )
+
+
+def _public_stable(dim: int):
+    """A public D_stable for the mixture's noiseless branch (its content does not matter: that branch is visible)."""
+    from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+
+    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_experts=1, obs_shape=(dim + 1,))
+    return TrajectoryDataset(
+        observations=np.zeros((2, dim + 1), dtype=np.float32), actions=np.zeros(1, dtype=np.int64),
+        rewards=np.zeros(1, dtype=np.float32), terminations=np.ones(1, dtype=bool),
+        truncations=np.zeros(1, dtype=bool), episode_lengths=np.ones(1, dtype=np.int64),
+        expert_ids=np.zeros(1, dtype=np.int64), metadata=metadata,
+    )
+
+
+def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, rows_per_expert: int,
+                        sample_rate: float, with_canary: bool, copies: int = 1, private_probability: float = 1.0):
+    """The source expert_cql trains ``method`` with (``training_source``), on ``copies`` copies of D or D'."""
+    from dporl.algos.expert_sources import training_source
+
+    data = canary_dataset(n_experts, dim, clip, rows_per_expert, with_canary, copies)
+    stable = _public_stable(dim) if method == "mixed" else None
+    return training_source(method, data, stable, batch_size=sample_rate * n_experts * copies,
+                           rows_per_expert=rows_per_expert, p_dp=private_probability)
+
+
+def released_step_scores(source, trials: int, *, noise_multiplier: float, clip: float, mode: str,
+                         seed: int) -> np.ndarray:
+    """One Poisson batch of the pipeline's private ``source`` over ``trials`` copies of the data (each copy's experts
+    included independently: ``trials`` independent steps), one ``DPSGDEngine`` call and an SGD step of learning
+    rate 1 from w = 0; returns each trial's released w along e1 in units of C / (per-trial expected batch)."""
+    batch = source.sample(make_generator(seed))
+    dim = int(batch.data["obs"].shape[1]) - 1
+    model = IndependentSteps(trials, dim)
+    engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=noise_multiplier,
+                         expected_batch_size=source.expected_batch_size, noise=NoiseSource(seed + 1), mode=mode)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     engine.private_backward(model.row_losses(batch), batch.unit_index, batch.n_units)
-    return (model.layer.weight.grad[:, 0].double() * expected_batch_size / clip).numpy()
+    optimizer.step()
+    return (model.layer.weight.detach()[:, 0].double() * source.expected_batch_size / clip).numpy()
 
 
 def dpsgd_step_audit(
@@ -108,8 +154,9 @@ def dpsgd_step_audit(
     accountant: str = "pld",
     noise_factor: float = 1.0,
     steps: int = 1,
+    rows_per_expert: int = 2,
 ) -> Experiment:
-    """``steps`` DP-SGD steps on D = canary + (n_units - 1) others vs D' = the others.
+    """``steps`` expert-level DP-SGD steps on the fixed D (canary + ``n_units`` - 1 experts) vs D' (no canary).
 
     Several steps audit the accountant's composition too: the canary's clipped gradient stays C e1 at every step
     (the worst case, which a linear model with a fixed canary attains), so the steps are independent and the
@@ -117,34 +164,34 @@ def dpsgd_step_audit(
     """
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
-    if n_units < 1 or dim < 2:
-        raise ValidationError("n_units", f"need n_units >= 1 and dim >= 2, got {n_units}, {dim}")
+    if n_units < 2 or dim < 2:
+        raise ValidationError("n_units", f"need n_units >= 2 and dim >= 2, got {n_units}, {dim}")
     if not isinstance(steps, int) or steps < 1:
         raise ValidationError("steps", f"must be an integer >= 1, got {steps!r}")
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    others = _other_units(n_units - 1, dim, max_grad_norm)
-    expected = q * n_units
-    event = step_event_factory(q)(sigma)
+    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_expert": rows_per_expert,
+              "sample_rate": q}
+    event = expert_level_source("dp_sgd", with_canary=True, **common).step_event(sigma)
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
-        units = _dataset(others, on_d, max_grad_norm)
-        per_step = dpsgd_step_scores(
-            n * steps, units, sample_rate=q, noise_multiplier=used_sigma, clip=max_grad_norm,
-            expected_batch_size=expected, mode=mode, seed=seed,
-        )
+        source = expert_level_source("dp_sgd", with_canary=on_d, copies=n * steps, **common)
+        per_step = released_step_scores(source, n * steps, noise_multiplier=used_sigma, clip=max_grad_norm,
+                                        mode=mode, seed=seed)
         return per_step.reshape(n, steps).sum(1)
 
     return Experiment(
         name="dpsgd_step" if steps == 1 else f"dpsgd_{steps}_steps",
         claimed_epsilon=epsilon_for([(event, steps)], delta, accountant),
         delta=delta,
-        privacy_unit="unit (expert / trajectory / transition: whatever the source samples)",
+        privacy_unit="expert",
         analysis=f"{event} by {analysis_name(accountant)}",
-        neighbours=f"add/remove a canary unit with gradient {CANARY_NORM:g} C e1; the {n_units - 1} others orthogonal",
+        neighbours=(f"fixed data: D = a canary expert (observations {CANARY_NORM:g} C e1) + {n_units - 1} experts "
+                    "orthogonal to e1; D' = D without the canary's episodes; expert_cql's dp_sgd source"),
         scores=scores,
         chunk_trials=max(1, 2_000 // steps),
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_units": n_units, "dim": dim, "mode": mode,
-                  "max_grad_norm": max_grad_norm, "noise_factor": noise_factor, "steps": steps},
+                  "max_grad_norm": max_grad_norm, "noise_factor": noise_factor, "steps": steps,
+                  "rows_per_expert": rows_per_expert},
     )
 
 
@@ -158,8 +205,10 @@ def mixture_audit(
     delta: float = 1e-5,
     accountant: str = "pld",
     noise_factor: float = 1.0,
+    rows_per_expert: int = 2,
 ) -> Experiment:
-    """One step of Algorithm 3: with probability p a DP-SGD step on the private units, else a public step.
+    """One step of Algorithm 3 on the fixed D vs D', through expert_cql's ``mixed`` source: with probability p an
+    expert-level DP-SGD step, else a noiseless step on D_stable.
 
     The branch is visible in the iterates (a noiseless step differs from a noisy one), so the statistic of a
     public-branch trial is -inf (it carries nothing about D) and of a private-branch trial the e1 projection.
@@ -170,20 +219,21 @@ def mixture_audit(
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    others = _other_units(n_units - 1, dim, max_grad_norm)
-    expected = q * n_units
-    event = step_event_factory(q, p)(sigma)
+    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_expert": rows_per_expert,
+              "sample_rate": q, "private_probability": p}
+    mixture = expert_level_source("mixed", with_canary=True, **common)
+    event = mixture.step_event(sigma)
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
-        # MixtureSource's branch rule, one independent draw per trial: private iff U < p.
-        private = (torch.rand(n, generator=make_generator(seed)) < p).numpy()
+        # MixtureSource's branch rule (one uniform < p per step), one independent draw per trial; the private
+        # trials then take one step of the mixture's own private source each.
+        private = (torch.rand(n, generator=make_generator(seed)) < mixture.private_probability).numpy()
         out = np.full(n, -np.inf)
         k = int(private.sum())
         if k:
-            out[private] = dpsgd_step_scores(
-                k, _dataset(others, on_d, max_grad_norm), sample_rate=q, noise_multiplier=used_sigma,
-                clip=max_grad_norm, expected_batch_size=expected, mode="bookkeeping", seed=seed + 7,
-            )
+            source = expert_level_source("mixed", with_canary=on_d, copies=k, **common).private_source
+            out[private] = released_step_scores(source, k, noise_multiplier=used_sigma, clip=max_grad_norm,
+                                                mode="bookkeeping", seed=seed + 7)
         return out
 
     return Experiment(
@@ -192,14 +242,15 @@ def mixture_audit(
         delta=delta,
         privacy_unit="expert",
         analysis=f"{event} by {analysis_name(accountant)} (branch observable)",
-        neighbours=f"add/remove a canary expert with gradient {CANARY_NORM:g} C e1; the {n_units - 1} others orthogonal",
+        neighbours=(f"fixed data: D = a canary expert (observations {CANARY_NORM:g} C e1) + {n_units - 1} experts "
+                    "orthogonal to e1; D' = D without the canary's episodes; expert_cql's mixed source"),
         scores=scores,
         chunk_trials=50_000,
         references={
             "paper (rate p*q subsampled Gaussian)": paper_mixture_epsilon(p, q, sigma, 1, delta, accountant),
         },
         settings={"private_probability": p, "noise_multiplier": sigma, "sample_rate": q, "n_units": n_units,
-                  "noise_factor": noise_factor},
+                  "noise_factor": noise_factor, "rows_per_expert": rows_per_expert},
     )
 
 

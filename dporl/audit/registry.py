@@ -22,6 +22,10 @@ def _dp_lsl(**kwargs) -> Experiment:
     return output_perturbation_audit(method="lsl", **kwargs)
 
 
+def _stable_prefix_logged(**kwargs) -> Experiment:
+    return stable_prefix_audit(source="logged", **kwargs)
+
+
 AUDITS: dict[str, Callable[..., Experiment]] = {
     "gaussian": gaussian_audit,
     "laplace": laplace_audit,
@@ -35,6 +39,7 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "dp_lsl": _dp_lsl,
     "reward_perturbation": reward_perturbation_audit,
     "stable_prefix": stable_prefix_audit,
+    "stable_prefix_logged": _stable_prefix_logged,
     "functional_noise": functional_noise_audit,
 }
 
@@ -51,7 +56,9 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "dp_lsw": {"noise_factor": 0.01},  # smooth sensitivity over-covers by alpha ~ 25
     "dp_lsl": {"noise_factor": 0.01},
     "reward_perturbation": {"noise_factor": 0.1},
+    # Threshold removed (noise / 1000): whole fresh rollouts are released.
     "stable_prefix": {"threshold_factor": 0.0, "noise_factor": 1e-3},
+    "stable_prefix_logged": {"threshold_factor": 0.0, "noise_factor": 1e-3},
     "functional_noise": {"noise_factor": 0.1},
 }
 
@@ -62,8 +69,10 @@ def build_audit(name: str, settings: Mapping[str, Any] | None = None, power: boo
         raise ValidationError("mechanism", f"unknown audit {name!r} (known: {', '.join(sorted(AUDITS))})")
     builder = AUDITS[name]
     kwargs = {**(POWER_SETTINGS[name] if power else {}), **dict(settings or {})}
-    target = output_perturbation_audit if name in ("dp_lsw", "dp_lsl") else builder
-    valid = set(inspect.signature(target).parameters) - {"method"}
+    target = {"dp_lsw": output_perturbation_audit, "dp_lsl": output_perturbation_audit,
+              "stable_prefix_logged": stable_prefix_audit}.get(name, builder)
+    # Fixed by the name, or objects a command line cannot give.
+    valid = set(inspect.signature(target).parameters) - {"method", "source", "neighbours"}
     unknown = sorted(set(kwargs) - valid)
     if unknown:
         raise ValidationError(unknown[0], f"not a setting of the {name} audit (valid: {', '.join(sorted(valid))})")

@@ -1,124 +1,238 @@
-"""Audit of one run of the sparse-vector stable-prefix release (expert-level paper, Algorithms 1-2).
+"""Audit of the stable-prefix release on FIXED neighbouring datasets, through the release dporl actually runs.
 
-Privacy model audited (the analysis's): D is a set of experts; one run picks an expert uniformly, takes a fresh
-rollout of it, and releases the longest prefix that passes the noisy stability queries. Each run is
-(2 eps', beta)-DP for add/remove one expert (``stable_prefix_budget(...).event``).
+Privacy unit: one expert. D = m experts, each of which logged ``trajectories_per_expert`` episodes in the public
+simulator with a fixed (public) seed; D' = D minus one expert, the target: its policy and every episode it logged.
+Every trial runs the release's own code on D or D' (``plan_release``: every check and the budget;
+``execute_release``: the runs, exactly what ``release_stable_prefixes``, hence ``train.py``, calls) with fresh
+secret randomness (a new ``SecretRoot`` per chunk of trials; runs are independent, so one call of n x T runs is n
+independent releases). Nothing is regenerated per trial: the audit tests dporl on fixed data, not the paper's model.
 
-Worst-case neighbour (the brief's): D' = m experts that all prefer action 0; D = D' plus a canary expert that
-prefers action 1, an action every other expert takes only with probability p_min. A released prefix with many
-1s is then likely under D (the canary's rollouts) and very unlikely under D'. Statistic: the number of 1s in the
-released prefix. Observations are a constant public state, so a trajectory is its action sequence.
+What an attacker holding the whole release (D_stable) and both candidate datasets computes, per trial:
 
-Trials are vectorised: n independent runs are n runs of the release's own lockstep query loop
-(``dporl.algos.stable_prefix.stable_prefix_lengths``: stability queries through the real ``ExpertSet``, Laplace noise from
-``NoiseSource``), each on its own fresh rollout, with one threshold draw per run exactly as the release does.
+- membership: does D_stable contain one of the target's LOGGED observation rows (exact float32 match)? Impossible
+  under D'. The logged-prefix variant releases logged rows, so this fires about (1/m) P[first query passes] per run;
+  fresh rollouts start from secret simulator resets and never reproduce a logged row.
+- distinctive actions: the log-likelihood ratio of the released actions given the released states,
+  log[(1/m) sum_{i in D} prod_t pi_i(a_t|s_t)] - log[(1/(m-1)) sum_{i in D'} prod_t pi_i(a_t|s_t)], summed over the
+  trial's prefixes. The simulator's transitions are public and cancel, so for fresh rollouts this IS the likelihood
+  ratio of an unfiltered prefix; it is large exactly when the prefix takes the target's actions at states where the
+  other experts disagree with it.
 
-Power: ``threshold_factor`` scales the calibrated threshold G = G0 / p_min + t_beta (0: no threshold at all) and
-``noise_factor`` the Laplace scale; a release without a threshold (0, noise 1e-3: whole rollouts released) leaks
-the canary's rollouts. The bound can only exceed log(P[canary chosen] / P_D'[many 1s] upper bound) ~ log(trials /
-(m + 1)), so the defaults keep m small; at T = 1 and delta = 1e-5 the threshold (~67) then exceeds m + 1 and the
-honest release releases nothing. With m = 60, eps = 2 prefixes of 1-4 steps are released (eps_lb = 0 at 50k
-trials per neighbour; 4.28 > 2 without the threshold).
+Score = likelihood ratio + ``MEMBERSHIP_SCORE`` if the membership test fires (a threshold test on it covers both).
+
+Worst-case target: the other experts are LQR bang-bang CartPole controllers (three gravities); the target is one
+of them plus positive feedback on the cart's velocity (``target_feedback`` x velocity added to its control signal:
+it pushes the cart along its motion). Initial velocities are small, so at ~82% of initial states it agrees with the
+others (its logged prefixes pass their first queries: the worst case for the logged variant); once the cart moves,
+no other expert prefers its action (every state of its ~10-step episodes, measured at the default 5).
+
+Claims. ``level="run"``: each trial is ONE run of a stage planned for ``trajectories`` runs; the claim is the
+per-run event (2 eps', beta). ``level="release"``: each trial is a whole release of ``trajectories`` runs; the claim
+is the stage's PLD composition at delta. Power: ``threshold_factor`` scales G (0 removes it) and ``noise_factor`` the
+Laplace scale; without the threshold (and noise / 1000) whole rollouts are released and the target's distinctive
+actions give it away. With N trials per neighbour the largest certifiable bound is about log(N / 8) (half the trials
+are held out, Clopper-Pearson at 97.5% on zero events is 3.7 / (N/2)).
+
+``source="logged"`` audits the paper's variant: dporl claims NOTHING for it (claimed eps = inf, the run prints NO
+guarantee); the paper's per-run figure is a reference, and the audit exceeding it refutes the paper's analysis on
+fixed data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from typing import Optional
 
 import numpy as np
 import torch
 
 from dporl.audit.experiment import Experiment
-from dporl.utils.seeding import make_generator
 from dporl.utils.validation import ValidationError, check_positive
 
-
-def _expert_set(n_experts: int, p_min: float, with_canary: bool):
-    from dporl.experts import ExpertSet, StackedLinearPolicy
-
-    m = n_experts + int(with_canary)
-    bias = torch.zeros(m, 2)
-    bias[:, 0] = 1.0  # every ordinary expert prefers action 0
-    if with_canary:
-        bias[0] = torch.tensor([0.0, 1.0])  # the canary prefers action 1
-    policy = StackedLinearPolicy.from_weights(torch.zeros(m, 1, 2), bias)
-    return ExpertSet(policy, p_min, softening="argmax")
+MEMBERSHIP_SCORE = 1.0e6  # added to a trial's score when D_stable holds one of the target's logged rows
+ENV_ID = "CartPole-v1"
+GRAVITIES = (9.0, 9.8, 10.5)
 
 
-def _rollouts(expert_set, n: int, horizon: int, generator: torch.Generator):
-    """n fresh rollouts, each of a uniformly chosen expert (the run's first step), as a TrajectoryDataset."""
-    from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
-    from dporl.experts import sample_from_log_probs
+@dataclasses.dataclass(frozen=True)
+class FixedNeighbours:
+    """D and D' = D minus expert ``target`` (its policy and its episodes), each with its expert set."""
 
-    m = expert_set.n_experts
-    experts = torch.randint(0, m, (n,), generator=generator)
-    log_probs = expert_set.log_probs(torch.zeros(1, 1))[:, 0]  # [m, 2]: the policies ignore the (constant) state
-    actions = sample_from_log_probs(log_probs[experts].unsqueeze(1).expand(n, horizon, 2), generator)
-    terminations = np.zeros((n, horizon), dtype=bool)
-    terminations[:, -1] = True
-    metadata = DatasetMetadata(env_id="audit/constant-state", n_actions=2, n_experts=m, obs_shape=(1,), p_min=expert_set.p_min)
-    return TrajectoryDataset(
-        observations=np.zeros((n * (horizon + 1), 1), dtype=np.float32),
-        actions=actions.reshape(-1).numpy(),
-        rewards=np.zeros(n * horizon, dtype=np.float32),
-        terminations=terminations.reshape(-1),
-        truncations=np.zeros(n * horizon, dtype=bool),
-        episode_lengths=np.full(n, horizon, dtype=np.int64),
-        expert_ids=experts.numpy(),
-        metadata=metadata,
+    experts: object  # ExpertSet of D (m experts)
+    data: object  # TrajectoryDataset of D
+    target: int  # the expert of D that D' lacks
+    experts_without: object  # ExpertSet of D' (the others, in order)
+    data_without: object  # TrajectoryDataset of D' (expert ids above the target shifted down by one)
+    target_rows: np.ndarray  # the target's logged observation rows, one np.void per row
+
+
+def neighbours_of(data, experts, target: int) -> FixedNeighbours:
+    """The fixed pair (D, D minus expert ``target``) of a dataset and the expert set that logged it."""
+    from dporl.data.dataset import TrajectoryDataset
+
+    m = experts.n_experts
+    if not 0 <= target < m:
+        raise ValidationError("target", f"must be an expert index in [0, {m}), got {target}")
+    others = torch.tensor([i for i in range(m) if i != target])
+    experts_without = experts.select(others)
+    subset = data.subset(np.flatnonzero(data.expert_ids != target))
+    meta = dataclasses.replace(data.metadata, n_experts=m - 1, expert_set=experts_without.reference())
+    data_without = TrajectoryDataset(
+        observations=subset.observations, actions=subset.actions, rewards=subset.rewards,
+        terminations=subset.terminations, truncations=subset.truncations, episode_lengths=subset.episode_lengths,
+        expert_ids=subset.expert_ids - (subset.expert_ids > target), behavior_log_probs=subset.behavior_log_probs,
+        metadata=meta,
     )
+    rows = data.subset(np.flatnonzero(data.expert_ids == target)).observations
+    return FixedNeighbours(experts, data, target, experts_without, data_without, _row_keys(rows))
+
+
+@functools.lru_cache(maxsize=8)
+def cartpole_neighbours(
+    n_experts: int, p_min: float, trajectories_per_expert: int, horizon: int, target_feedback: float, seed: int = 0
+) -> FixedNeighbours:
+    """The fixed pair (D, D') of the module docstring; cached (it is data, the same for every trial)."""
+    from dporl.experts.analytic import cartpole_lqr_experts
+    from dporl.experts.collect import collect
+    from dporl.experts.expert_set import ExpertSet
+    from dporl.experts.policies import StackedLinearPolicy
+
+    if n_experts < 2 + len(GRAVITIES):
+        raise ValidationError("n_experts", f"need at least {2 + len(GRAVITIES)} experts, got {n_experts}")
+    others = n_experts - 1
+    per_setting = -(-others // len(GRAVITIES))
+    policy, _ = cartpole_lqr_experts([{"gravity": g} for g in GRAVITIES], per_setting, seed=seed)
+    weight, bias = policy.weight[:others].clone(), policy.bias[:others].clone()
+    # The target: expert 0's controller (logits u(s) * [-1, +1]) plus target_feedback * cart velocity in u.
+    target = weight[:1].clone()
+    target[0, 1] += target_feedback * torch.tensor([-1.0, 1.0])
+    experts = ExpertSet(
+        StackedLinearPolicy.from_weights(torch.cat([weight, target]), torch.cat([bias, bias[:1]])), p_min, "argmax"
+    )
+    data = collect(experts, ENV_ID, trajectories_per_expert, horizon, seed, progress=False)
+    return neighbours_of(data, experts, others)
+
+
+def _row_keys(rows: np.ndarray) -> np.ndarray:
+    """One hashable np.void per float32 row (exact-match membership with np.isin)."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    return rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+
+
+def release_scores(runs, neighbours: FixedNeighbours, expert_chunk: int = 1024) -> np.ndarray:
+    """Per-trial score (module docstring) of ``runs`` = ``execute_release(..., trials=n)`` on D or D'."""
+    from dporl.algos.stable_prefix import stability_log_queries
+
+    prefixes, lengths = runs.prefixes, runs.lengths
+    n_runs, m = len(lengths), neighbours.experts.n_experts
+    # Membership: any observation row of a released prefix (s_1 .. s_{K+1}) that the target logged.
+    live = np.arange(prefixes.observations.shape[0])[:, None] <= lengths[None, :]
+    live &= (lengths > 0)[None, :]
+    time_index, slot = np.nonzero(live)
+    hits = np.isin(_row_keys(prefixes.observations[time_index, slot]), neighbours.target_rows)
+    member = np.zeros(n_runs, dtype=bool)
+    member[slot[hits]] = True
+    # Likelihood ratio of the released actions: D's experts vs D' (all but the target), per prefix.
+    log_mass = torch.zeros(m, n_runs, dtype=torch.float64)
+    for t in range(int(lengths.max()) if n_runs else 0):
+        active = np.flatnonzero(lengths > t)
+        _, advanced = stability_log_queries(
+            neighbours.experts, torch.from_numpy(prefixes.observations[t, active]),
+            torch.from_numpy(prefixes.actions[t, active]), log_mass[:, active], expert_chunk,
+        )
+        log_mass[:, active] = advanced
+    without = torch.cat([log_mass[: neighbours.target], log_mass[neighbours.target + 1 :]])
+    ratio = (torch.logsumexp(log_mass, 0) - math.log(m)) - (torch.logsumexp(without, 0) - math.log(m - 1))
+    ratio = torch.where(torch.from_numpy(lengths > 0), ratio, torch.zeros_like(ratio)).numpy()
+    per_trial = ratio.reshape(runs.trials, runs.runs_per_trial).sum(1)
+    return per_trial + MEMBERSHIP_SCORE * member.reshape(runs.trials, runs.runs_per_trial).any(1)
 
 
 def stable_prefix_audit(
     epsilon: float = 1.0,
     delta: float = 1e-5,
-    n_experts: int = 20,
-    p_min: float = 0.2,
-    horizon: int = 10,
     trajectories: int = 1,
+    level: str = "run",
+    source: str = "fresh",
+    n_experts: int = 110,
+    p_min: float = 0.1,
+    trajectories_per_expert: int = 5,
+    horizon: int = 15,
+    target_feedback: float = 5.0,
     threshold_factor: float = 1.0,
     noise_factor: float = 1.0,
+    neighbours: Optional[FixedNeighbours] = None,
 ) -> Experiment:
-    """One run of a release whose stage budget (epsilon, delta) covers ``trajectories`` runs, on D = canary +
-    n_experts vs D' = the n_experts; the claim audited is the per-run (2 eps', beta)."""
-    from dporl.algos.stable_prefix import StablePrefixConfig, stable_prefix_lengths
-    from dporl.privacy.noise import NoiseSource
-    from dporl.privacy.sparse_vector import stable_prefix_budget
+    """The release of a stage budget (epsilon, delta) over ``trajectories`` runs on the fixed pair (D, D').
 
-    if horizon < 1:
-        raise ValidationError("horizon", f"must be >= 1, got {horizon}")
+    ``neighbours``: a user's pair (``neighbours_of(dataset, expert_set, target)``) instead of the built-in CartPole
+    one (then ``n_experts``, ``p_min``, ``trajectories_per_expert``, ``horizon`` and ``target_feedback`` are unused).
+
+    Defaults (measured, 10000 trials per neighbour): the claim per run is 2 eps' = 1.0 at beta = 5e-6 and G = 79.7,
+    so 110 experts are needed for ordinary prefixes to pass; the target is chosen in 1/110 of the runs.
+    """
+    from dporl.algos.stable_prefix import StablePrefixConfig, execute_release, plan_release, with_budget
+    from dporl.privacy.randomness import SecretRoot
+
+    if level not in ("run", "release"):
+        raise ValidationError("level", f"must be 'run' or 'release', got {level!r}")
     check_positive("threshold_factor", threshold_factor, allow_zero=True)
     check_positive("noise_factor", noise_factor)
-    # The claim is about D, the larger set (m + 1 experts); the precondition m p_min >= G0 is checked for D'.
-    budget = stable_prefix_budget(epsilon, delta, trajectories, p_min, n_experts, monotone=True)
-    if n_experts * p_min < budget.g0:
-        raise ValidationError("n_experts", f"m p_min = {n_experts * p_min:g} < G0 = {budget.g0:g}: the release refuses")
-    used = dataclasses.replace(
-        budget, threshold=budget.threshold * threshold_factor, noise_scale=budget.noise_scale * noise_factor
-    )
-    config = StablePrefixConfig(trajectories=1)
-    expert_sets = {True: _expert_set(n_experts, p_min, True), False: _expert_set(n_experts, p_min, False)}
+    described = neighbours is not None
+    if neighbours is None:
+        neighbours = cartpole_neighbours(n_experts, p_min, trajectories_per_expert, horizon, target_feedback)
+    config = StablePrefixConfig(trajectories=trajectories, source=source)
+    plans = {
+        True: plan_release(neighbours.data, neighbours.experts, epsilon=epsilon, delta=delta, config=config),
+        False: plan_release(neighbours.data_without, neighbours.experts_without, epsilon=epsilon, delta=delta,
+                            config=config),
+    }
+    budget = plans[True].budget
+    if plans[False].budget.threshold != budget.threshold:  # the same public parameters on both sides
+        raise AssertionError("the neighbours' release plans differ")
+    used = {
+        on_d: with_budget(
+            dataclasses.replace(plan, trajectories=1) if level == "run" else plan,
+            threshold=budget.threshold * threshold_factor, noise_scale=budget.noise_scale * noise_factor,
+        )
+        for on_d, plan in plans.items()
+    }
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
-        expert_set = expert_sets[on_d]
-        dataset = _rollouts(expert_set, n, horizon, make_generator(seed))
-        noise = NoiseSource(seed + 1)
-        threshold = used.threshold + noise.laplace((n,), used.noise_scale)
-        lengths, _ = stable_prefix_lengths(dataset, expert_set, np.arange(n), threshold, used, noise, config)
-        actions = dataset.actions.reshape(n, horizon)
-        released = np.arange(horizon)[None, :] < lengths[:, None]
-        return ((actions == 1) & released).sum(1).astype(np.float64)
+        data = neighbours.data if on_d else neighbours.data_without
+        experts = neighbours.experts if on_d else neighbours.experts_without
+        runs = execute_release(used[on_d], data, experts, SecretRoot(seed), trials=n)
+        return release_scores(runs, neighbours)
 
+    if level == "run":
+        claim, claim_delta = 2 * budget.epsilon_prime, budget.beta
+        analysis = f"sparse vector per run: ApproxDPEvent(2 eps' = {claim:.4g}, beta = {budget.beta:.3g})"
+    else:
+        claim, claim_delta = budget.composed_epsilon, delta
+        analysis = f"{trajectories} runs of (2 eps', beta) = ({2 * budget.epsilon_prime:.4g}, {budget.beta:.3g}) by PLD"
+    references = {}
+    if source == "logged":  # dporl claims nothing for the paper's variant: its figure is only a reference
+        references["paper (logged prefixes as fresh rollouts)"] = claim
+        claim, analysis = math.inf, "NONE: the paper's mechanism (logged prefixes), no guarantee; " + analysis
     return Experiment(
-        name="stable_prefix",
-        claimed_epsilon=2 * budget.epsilon_prime,
-        delta=budget.beta,
+        name="stable_prefix" if source == "fresh" else "stable_prefix_logged",
+        claimed_epsilon=claim,
+        delta=claim_delta,
         privacy_unit="expert",
-        analysis=f"sparse vector per run: ApproxDPEvent(2 eps' = {2 * budget.epsilon_prime:.4g}, beta = {budget.beta:.3g})",
-        neighbours=f"add/remove a canary expert preferring action 1; the {n_experts} others give it p_min = {p_min}",
+        analysis=analysis,
+        neighbours=(
+            f"fixed data {neighbours.data.metadata.env_id}: D = the dataset's {neighbours.experts.n_experts} experts, D' "
+            f"= D minus expert {neighbours.target} and its episodes" if described else
+            f"fixed CartPole data: D = {n_experts} experts x {trajectories_per_expert} logged episodes (target: an LQR "
+            f"controller with cart-velocity feedback {target_feedback:g}), D' = D minus the target and its episodes"
+        ),
         scores=scores,
-        chunk_trials=10_000,
-        settings={"epsilon": epsilon, "delta": delta, "trajectories": trajectories, "n_experts": n_experts, "p_min": p_min, "horizon": horizon,
-                  "threshold": budget.threshold, "noise_scale": budget.noise_scale,
-                  "threshold_factor": threshold_factor, "noise_factor": noise_factor},
+        chunk_trials=max(1, 20_000 // trajectories) if level == "release" else 20_000,
+        references=references,
+        settings={"epsilon": epsilon, "delta": delta, "trajectories": trajectories, "level": level, "source": source,
+                  "n_experts": neighbours.experts.n_experts, "p_min": plans[True].p_min, "threshold": budget.threshold,
+                  "noise_scale": budget.noise_scale, "threshold_factor": threshold_factor,
+                  "noise_factor": noise_factor},
     )
