@@ -199,6 +199,22 @@ def test_fresh_prefixes_are_simulator_transitions(cartpole):
     env.close()
 
 
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Acrobot-v1", "LunarLander-v3", "dporl/HIVTreatment-v0"])
+def test_the_public_simulator_rebuilds_from_the_logging_metadata(env_id):
+    """Every shipped environment's logging physics (as ``collect`` records it: all parameters, LunarLander's wind
+    settings too while wind is off) rebuilds the simulator, which accepts a 128-bit secret reset seed."""
+    from dporl.algos.stable_prefix import PublicSimulator
+    from dporl.experts.collect import logging_physics
+
+    env = PublicSimulator(env_id, logging_physics(env_id, {}, {}), {}, 5).make(3)
+    try:
+        first, _ = env.reset(seed=2**127 + 3)
+        second, _ = env.reset(seed=2**127 + 4)
+        assert first.shape[0] == 3 and not np.array_equal(first, second) or env_id == "dporl/HIVTreatment-v0"
+    finally:
+        env.close()
+
+
 def test_fresh_release_never_evaluates_past_the_first_failed_query(cartpole):
     experts, data, _ = cartpole
     seen = []

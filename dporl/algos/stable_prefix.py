@@ -112,10 +112,12 @@ class PublicSimulator:
 
     def make(self, num_envs: int):
         """A vector env of ``num_envs`` copies (next-step autoreset), TimeLimit H."""
+        from dporl.envs.variants import effective_physics
         from dporl.experts.collect import make_vector_env
 
-        params = [self.env_params] * num_envs if self.env_params else None
-        return make_vector_env(self.env_id, num_envs, self.horizon, params, self.env_kwargs)
+        physics = effective_physics(self.env_id, self.env_params)
+        return make_vector_env(self.env_id, num_envs, self.horizon, [physics] * num_envs if physics else None,
+                               self.env_kwargs)
 
 
 def public_simulator(metadata: DatasetMetadata, config: StablePrefixConfig, expert_set: ExpertSet) -> PublicSimulator:

@@ -146,6 +146,16 @@ def make_vector_variant(env_id: str, params: Mapping[str, Any], num_envs: int, *
     return gym.vector.SyncVectorEnv([lambda p=p: make_variant(env_id, p, **make_kwargs) for p in per_env])
 
 
+def effective_physics(env_id: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` without the settings that have no effect (LunarLander's wind and turbulence while wind is off),
+    so a full record such as ``physics_of``'s (``DatasetMetadata.env_params``) can rebuild its environment."""
+    params = dict(params)
+    if env_id in VARIANT_SPECS and "enable_wind" in params and not params["enable_wind"]:
+        params.pop("wind_power", None)
+        params.pop("turbulence_power", None)
+    return params
+
+
 def physics_of(env: gym.Env | gym.vector.VectorEnv, env_id: str) -> dict[str, Any]:
     """The physics parameters an env runs with now (JSON-safe; for ``DatasetMetadata.env_params``)."""
     spec = _spec(env_id)

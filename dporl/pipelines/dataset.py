@@ -103,7 +103,9 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     plot_lines(out_dir / "expert_returns.png", series, xlabel="expert (sorted)", ylabel="episodic return",
                title=f"{expert_set.n_experts} experts, {config.experts.env_id}")
     run_dir.write_summaries(None, summary)  # written last: marks the generation complete
-    print(f"dataset: {dataset.n_episodes} episodes / {dataset.n_transitions} transitions from "
+    # The logged data are the private input of every private pipeline: this line describes them to their curator.
+    print(f"curator-only (the logged data themselves, covered by no guarantee): dataset: {dataset.n_episodes} "
+          f"episodes / {dataset.n_transitions} transitions from "
           f"{expert_set.n_experts} experts (p_min={expert_set.p_min}, {config.softening}) in "
           f"{timings['experts_s']:.1f}s + {timings['logging_s']:.1f}s; mean logged return "
           f"{float(np.mean(logged)):.1f}; saved under {out_dir}")
