@@ -248,6 +248,20 @@ def test_stable_data_carry_no_expert_identity(cartpole):
     assert out.stable.metadata.extra["source"] == "fresh"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fresh_release_with_experts_on_cuda(cartpole):
+    """Experts on the GPU, simulator and secret streams on the CPU: same release as on the CPU (the softened
+    policies only use each expert's argmax, which float differences leave unchanged on these states)."""
+    experts, data, _ = cartpole
+    import copy
+
+    on_gpu = copy.deepcopy(experts).to("cuda")
+    gpu = release(data, on_gpu, trajectories=5, seed=31).stable
+    cpu = release(data, experts, trajectories=5, seed=31).stable
+    np.testing.assert_array_equal(gpu.actions, cpu.actions)
+    np.testing.assert_allclose(gpu.observations, cpu.observations)
+
+
 def test_same_root_same_release_and_streams_are_named(cartpole):
     experts, data, _ = cartpole
     a = release(data, experts, seed=21).stable
