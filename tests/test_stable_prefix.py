@@ -29,7 +29,6 @@ from dporl.experts.policies import StackedLinearPolicy
 from dporl.privacy.events import ApproxDPEvent
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
-from dporl.privacy.sparse_vector import stable_prefix_budget
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 P_MIN = 0.1
