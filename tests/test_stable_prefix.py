@@ -236,6 +236,21 @@ def test_fresh_release_never_evaluates_past_the_first_failed_query(cartpole):
     assert sorted(map(tuple, shown.numpy().tolist())) == sorted(map(tuple, expected.tolist()))
 
 
+@pytest.mark.parametrize("source", ["fresh", "logged"])
+def test_release_log_mass_is_the_released_prefixes_likelihood(cartpole, synthetic, source):
+    """ReleaseRuns.log_mass[i, r] = sum over run r's RELEASED prefix of log pi_i(a_t | s_t) (what its last passed
+    query compared; the failed query's action is not in it): the audits' likelihood ratio relies on it."""
+    experts, data = cartpole[:2] if source == "fresh" else synthetic
+    plan = plan_release(data, experts, epsilon=10.0, delta=1e-5, config=StablePrefixConfig(trajectories=5, source=source))
+    runs = execute_release(plan, data, experts, SecretRoot(8), trials=4)
+    assert runs.lengths.max() > 0
+    for r, k in enumerate(runs.lengths):
+        obs = torch.from_numpy(runs.prefixes.observations[:k, r])
+        actions = torch.from_numpy(runs.prefixes.actions[:k, r])
+        expected = experts.log_prob_of(obs, actions).double().sum(1) if k else torch.zeros(experts.n_experts)
+        torch.testing.assert_close(runs.log_mass[:, r], expected.double(), rtol=1e-6, atol=1e-6)
+
+
 def test_stable_data_carry_no_expert_identity(cartpole):
     experts, data, _ = cartpole
     out = release(data, experts, trajectories=10, seed=1)

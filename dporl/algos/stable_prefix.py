@@ -290,6 +290,9 @@ class ReleaseRuns:
     trials: int
     runs_per_trial: int
     states_evaluated: int  # states shown to the experts (x m evaluations)
+    # [m, n_runs] float64: sum over each released prefix of log pi_i(a_t | s_t) for every expert i (log q_K per
+    # expert; what the release compared, without the failed query's action). Curator-only, never saved.
+    log_mass: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -375,10 +378,11 @@ def _fresh_runs(plan: ReleasePlan, expert_set: ExpertSet, root: SecretRoot, tria
             sampled = sample_from_log_probs(own.cpu(), action_generator)
             taken = log_probs.gather(2, sampled.to(device).view(1, -1, 1).expand(m, -1, 1)).squeeze(2)
             mass = log_mass.index_select(1, index) + taken.to(torch.float64)
-            log_mass.index_copy_(1, index, mass)
             log_q = torch.logsumexp(mass, dim=0).cpu()
             states_evaluated += len(runs)
             passed = (log_q.exp() + noise.laplace((len(runs),), budget.noise_scale) >= noisy_threshold[runs]).numpy()
+            keep = torch.from_numpy(np.flatnonzero(passed)).to(device)  # a failed query's action is not released
+            log_mass.index_copy_(1, index.index_select(0, keep), mass.index_select(1, keep))
             alive[runs[~passed]] = False
             moving = runs[passed]
             step_actions = np.zeros(n, dtype=np.int64)
@@ -397,7 +401,7 @@ def _fresh_runs(plan: ReleasePlan, expert_set: ExpertSet, root: SecretRoot, tria
         env.close()
     # A prefix ends by a failed query, a truncation or the horizon (truncated) or by a termination (terminated).
     prefixes = Rollout(observations, actions, rewards, None, lengths, terminated, ~terminated)
-    return ReleaseRuns(prefixes, experts.numpy(), None, trials, plan.trajectories, states_evaluated)
+    return ReleaseRuns(prefixes, experts.numpy(), None, trials, plan.trajectories, states_evaluated, log_mass.cpu())
 
 
 def _logged_runs(
@@ -420,9 +424,10 @@ def _logged_runs(
     actions = np.zeros((width, n), dtype=np.int64)
     rewards = np.zeros((width, n), dtype=np.float32)
     terminated = np.zeros(n, dtype=bool)
+    log_mass = torch.zeros(expert_set.n_experts, n, dtype=torch.float64)
     if len(processed):
         padded = dataset.padded(episodes[processed])
-        lengths[processed], states_evaluated = stable_prefix_lengths(
+        lengths[processed], states_evaluated, log_mass[:, processed] = stable_prefix_lengths(
             padded, expert_set, noisy_threshold[processed], budget, noise, plan.expert_chunk
         )
         observations[:, processed] = padded.observations.transpose(0, 1).reshape(width + 1, len(processed), -1).numpy()
@@ -430,7 +435,7 @@ def _logged_runs(
         rewards[:, processed] = padded.rewards.T.numpy()
         terminated[processed] = padded.terminated.numpy() & (lengths[processed] == padded.lengths.numpy())
     prefixes = Rollout(observations, actions, rewards, None, lengths, terminated, ~terminated)
-    return ReleaseRuns(prefixes, experts, episodes, trials, runs_per_trial, states_evaluated)
+    return ReleaseRuns(prefixes, experts, episodes, trials, runs_per_trial, states_evaluated, log_mass)
 
 
 def _choose_trajectories(
@@ -464,8 +469,9 @@ def stable_prefix_lengths(
     budget: StablePrefixBudget,
     noise: NoiseSource,
     expert_chunk: int,
-) -> tuple[np.ndarray, int]:
-    """Released prefix length of each padded logged episode, all advancing one step at a time (logged variant)."""
+) -> tuple[np.ndarray, int, torch.Tensor]:
+    """(released prefix length, states evaluated, released log-mass [m, n]) of each padded logged episode, all
+    advancing one step at a time (logged variant)."""
     device = next(expert_set.parameters()).device
     observations = padded.observations.to(device)
     actions = padded.actions.to(device)
@@ -480,15 +486,16 @@ def stable_prefix_lengths(
         runs = torch.nonzero(alive & (k < episode_lengths)).squeeze(1)
         if runs.numel() == 0:
             break
-        log_q, log_mass[:, runs] = stability_log_queries(
+        log_q, advanced = stability_log_queries(
             expert_set, observations[runs, k], actions[runs, k], log_mass[:, runs], expert_chunk
         )
         states_evaluated += int(runs.numel())
         noisy_q = log_q.exp() + noise.laplace((int(runs.numel()),), budget.noise_scale).to(device)
         ok = noisy_q >= noisy_threshold[runs]
         passed[runs[ok]] = k + 1
+        log_mass[:, runs[ok]] = advanced[:, ok]
         alive[runs[~ok]] = False
-    return passed.cpu().numpy(), states_evaluated
+    return passed.cpu().numpy(), states_evaluated, log_mass.cpu()
 
 
 def stability_log_queries(

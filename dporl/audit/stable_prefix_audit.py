@@ -121,12 +121,12 @@ def _row_keys(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
 
 
-def release_scores(runs, neighbours: FixedNeighbours, expert_chunk: int = 1024) -> np.ndarray:
+def release_scores(runs, neighbours: FixedNeighbours, on_d: bool, expert_chunk: int = 1024) -> np.ndarray:
     """Per-trial score (module docstring) of ``runs`` = ``execute_release(..., trials=n)`` on D or D'."""
     from dporl.algos.stable_prefix import stability_log_queries
 
     prefixes, lengths = runs.prefixes, runs.lengths
-    n_runs, m = len(lengths), neighbours.experts.n_experts
+    n_runs, m, target = len(lengths), neighbours.experts.n_experts, neighbours.target
     # Membership: any observation row of a released prefix (s_1 .. s_{K+1}) that the target logged.
     live = np.arange(prefixes.observations.shape[0])[:, None] <= lengths[None, :]
     live &= (lengths > 0)[None, :]
@@ -134,17 +134,23 @@ def release_scores(runs, neighbours: FixedNeighbours, expert_chunk: int = 1024) 
     hits = np.isin(_row_keys(prefixes.observations[time_index, slot]), neighbours.target_rows)
     member = np.zeros(n_runs, dtype=bool)
     member[slot[hits]] = True
-    # Likelihood ratio of the released actions: D's experts vs D' (all but the target), per prefix.
-    log_mass = torch.zeros(m, n_runs, dtype=torch.float64)
-    for t in range(int(lengths.max()) if n_runs else 0):
-        active = np.flatnonzero(lengths > t)
-        _, advanced = stability_log_queries(
-            neighbours.experts, torch.from_numpy(prefixes.observations[t, active]),
-            torch.from_numpy(prefixes.actions[t, active]), log_mass[:, active], expert_chunk,
-        )
-        log_mass[:, active] = advanced
-    without = torch.cat([log_mass[: neighbours.target], log_mass[neighbours.target + 1 :]])
-    ratio = (torch.logsumexp(log_mass, 0) - math.log(m)) - (torch.logsumexp(without, 0) - math.log(m - 1))
+    # Likelihood ratio of the released actions, D's experts vs D' (all but the target). The release already summed
+    # log pi_i over each released prefix for the experts it ran with (D's, or D''s); on D' only the target's sum is
+    # missing, computed here along the same prefixes.
+    if on_d:
+        with_target, without = runs.log_mass, torch.cat([runs.log_mass[:target], runs.log_mass[target + 1 :]])
+    else:
+        alone = neighbours.experts.select([target])
+        own = torch.zeros(1, n_runs, dtype=torch.float64)
+        for t in range(int(lengths.max()) if n_runs else 0):
+            active = np.flatnonzero(lengths > t)
+            _, own[:, active] = stability_log_queries(
+                alone, torch.from_numpy(prefixes.observations[t, active]), torch.from_numpy(prefixes.actions[t, active]),
+                own[:, active], expert_chunk,
+            )
+        without = runs.log_mass
+        with_target = torch.cat([without[:target], own, without[target:]])
+    ratio = (torch.logsumexp(with_target, 0) - math.log(m)) - (torch.logsumexp(without, 0) - math.log(m - 1))
     ratio = torch.where(torch.from_numpy(lengths > 0), ratio, torch.zeros_like(ratio)).numpy()
     per_trial = ratio.reshape(runs.trials, runs.runs_per_trial).sum(1)
     return per_trial + MEMBERSHIP_SCORE * member.reshape(runs.trials, runs.runs_per_trial).any(1)
@@ -204,7 +210,7 @@ def stable_prefix_audit(
         data = neighbours.data if on_d else neighbours.data_without
         experts = neighbours.experts if on_d else neighbours.experts_without
         runs = execute_release(used[on_d], data, experts, SecretRoot(seed), trials=n)
-        return release_scores(runs, neighbours)
+        return release_scores(runs, neighbours, on_d)
 
     if level == "run":
         claim, claim_delta = 2 * budget.epsilon_prime, budget.beta
