@@ -39,7 +39,8 @@ def _logged_data(config):
     if config.data.dataset is not None:
         dataset_path, expert_path = Path(config.data.dataset), config.data.expert_set
     else:
-        out_dir = Path(config.data.generate.get("out_dir", "runs/dataset"))
+        # Generated data live in RUN/curator/data unless the config names an out_dir (the expert_cql pipeline).
+        out_dir = Path(config.data.generate.get("out_dir") or Path(config.run_dir) / "curator" / "data")
         dataset_path, expert_path = out_dir / "dataset.npz", config.data.expert_set or out_dir / "experts.pt"
     if not dataset_path.is_file():
         return None, None
