@@ -8,9 +8,9 @@ transitions ``[tstart[e], tstart[e] + len[e])`` and observations ``[tstart[e] + 
 On-disk format (``save`` / ``load``): ONE uncompressed ``.npz`` archive (a zip of ``.npy`` arrays; no pickles)
 written atomically, holding exactly these members::
 
-    format_version       int64 scalar, currently 1 (readers refuse any other value)
+    format_version       int64 scalar, currently 2 (readers accept 1 and 2 and refuse any other value)
     metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_experts, obs_shape,
-                         env_params, p_min, seed, expert_set, extra)
+                         env_params, p_min, seed, expert_set, extra, unit_column, unit_keys)
     observations         float32 [n_transitions + n_episodes, *obs_shape]
     actions              int64   [n_transitions], in [0, n_actions)
     rewards              float32 [n_transitions]
@@ -20,6 +20,18 @@ written atomically, holding exactly these members::
     expert_ids           int64   [n_episodes], in [0, n_experts)
     start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
     behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
+
+Privacy units. ``expert_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
+logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None, the historical meaning). A table
+imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by the user's column: ``unit_column``
+names it, ``n_experts`` is the number of units and ``unit_keys[i]`` is the column's value (as a string) for unit i.
+``unit_keys`` let a split by unit depend on the user's id alone (``dporl.privacy.partition``), never on which other
+units happen to be present (the dense index i does). Version 1 files (no unit fields) load unchanged.
+
+Terminal steps. The observation after an episode's last step exists in the layout even when the step is terminal
+(the episode has no next state). Importers store a placeholder there (zeros): it is never data. Every consumer
+multiplies the next state's value by ``1 - terminated`` (CQL's and FQE's targets, LSTD/GPOPE's ``phi_next``), so a
+placeholder cannot move any estimate (tested by swapping the placeholder for huge values).
 
 Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, boundaries, metadata types) and raises
 ``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
@@ -43,7 +55,8 @@ import torch
 from dporl.utils.io import atomic_write
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 2 added metadata.unit_column / unit_keys; version 1 files load unchanged
 
 _ARRAY_DTYPES = {
     "observations": np.float32,
@@ -89,6 +102,10 @@ class DatasetMetadata:
     seed: Optional[int] = None
     expert_set: Optional[dict] = None  # reference to the expert set (path, family, hash, ...)
     extra: dict = field(default_factory=dict)
+    # The privacy unit's column when the user chose the grouping (None: the logging expert, column "expert_id"),
+    # and the column's value of every unit (unit i's key; None: the unit index is the id). See the module docstring.
+    unit_column: Optional[str] = None
+    unit_keys: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.env_id, str) or not self.env_id:
@@ -126,10 +143,33 @@ class DatasetMetadata:
             if not isinstance(self.expert_set, Mapping):
                 raise ValidationError("metadata.expert_set", f"expected a mapping or null, got {self.expert_set!r}")
             object.__setattr__(self, "expert_set", _json_safe("metadata.expert_set", dict(self.expert_set)))
+        if self.unit_column is not None and (not isinstance(self.unit_column, str) or not self.unit_column):
+            raise ValidationError("metadata.unit_column", f"expected a non-empty string or null, got {self.unit_column!r}")
+        if self.unit_keys is not None:
+            keys = self.unit_keys
+            if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+                raise ValidationError("metadata.unit_keys", "expected a list of strings (one per unit) or null")
+            if len(keys) != self.n_experts:
+                raise ValidationError(
+                    "metadata.unit_keys", f"expected one key per unit ({self.n_experts}), got {len(keys)}"
+                )
+            if len(set(keys)) != len(keys):
+                raise ValidationError("metadata.unit_keys", "unit keys must be distinct")
+            object.__setattr__(self, "unit_keys", tuple(keys))
+
+    @property
+    def n_units(self) -> int:
+        """Number of privacy units (the experts, unless the user chose a unit column)."""
+        return self.n_experts
+
+    def unit_key_strings(self) -> list[str]:
+        """Every unit's stable id as a string: the user's column value, or the unit index for expert data."""
+        return list(self.unit_keys) if self.unit_keys is not None else [str(i) for i in range(self.n_experts)]
 
     def to_dict(self) -> dict:
         payload = asdict(self)
         payload["obs_shape"] = list(self.obs_shape)
+        payload["unit_keys"] = None if self.unit_keys is None else list(self.unit_keys)
         return payload
 
     @classmethod
@@ -400,6 +440,15 @@ class TrajectoryDataset:
     @property
     def n_transitions(self) -> int:
         return len(self.actions)
+
+    @property
+    def unit_ids(self) -> np.ndarray:
+        """Each episode's privacy unit [n_episodes] (stored as ``expert_ids``; see the module docstring)."""
+        return self.expert_ids
+
+    @property
+    def n_units(self) -> int:
+        return self.metadata.n_experts
 
     def __len__(self) -> int:
         return self.n_episodes
@@ -696,9 +745,9 @@ class TrajectoryDataset:
         version = contents.pop("format_version")
         if version.shape != () or version.dtype.kind not in "iu":
             raise ValidationError("format_version", f"expected an integer scalar, got {version.dtype} {version.shape}")
-        if int(version) != FORMAT_VERSION:
+        if int(version) not in READABLE_VERSIONS:
             raise ValidationError(
-                "format_version", f"file has version {int(version)}, this dporl reads version {FORMAT_VERSION}"
+                "format_version", f"file has version {int(version)}, this dporl reads versions {READABLE_VERSIONS}"
             )
         raw_meta = contents.pop("metadata")
         if raw_meta.shape != () or raw_meta.dtype.kind != "U":

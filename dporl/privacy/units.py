@@ -88,3 +88,13 @@ def as_unit(value: Any) -> PrivacyUnit:
     if isinstance(value, str) and value in BUILTIN_UNITS:
         return BUILTIN_UNITS[value]
     raise ValidationError("privacy_unit", f"unknown privacy unit {value!r}; use one of {sorted(BUILTIN_UNITS)} or grouped_by(column)")
+
+
+def dataset_unit(dataset: Any) -> PrivacyUnit:
+    """The privacy unit a dataset's rows are grouped by (owned by the data, not by the algorithm).
+
+    ``metadata.unit_column`` None means the logging expert (``EXPERT``); otherwise the user's column (``grouped_by``).
+    """
+    metadata = getattr(dataset, "metadata", dataset)
+    column = getattr(metadata, "unit_column", None)
+    return EXPERT if column is None else grouped_by(column)

@@ -1,0 +1,501 @@
+"""Logged decisions from a table (CSV, Parquet or a pandas DataFrame) into a validated ``TrajectoryDataset``.
+
+One row per decision: an episode id, a unit id (the privacy unit: a patient, a clinician, an expert; any grouping
+the user chooses), observation columns, the action taken, the reward, and optionally the step index, end flags,
+next-state columns and the behaviour policy's propensity of the logged action::
+
+    dataset = read_table("stays.csv", episode="stay_id", unit="patient_id", observations=["hr", "bp", "spo2"],
+                         action="treatment", reward="outcome", step="hour", terminated="discharged")
+
+What the importer decides, so that no algorithm ever reads an invented state as data:
+
+- Rows of one episode are taken in table order (episodes may interleave). With a ``step`` column, steps inside an
+  episode must be consecutive integers in that order: an unsorted, duplicated or skipped step is an error (a gap
+  would glue two non-adjacent states into one transition).
+- An episode's last row ends it. Without flag columns that end is a termination. With ``terminated`` and/or
+  ``truncated`` columns only the last row may carry a flag, and a last row must carry one of them (a missing column
+  is the complement of the other).
+- A terminal step needs no next state: the layout's observation after it is a zero placeholder that every
+  consumer masks (``1 - terminated``; see ``dporl.data.dataset``).
+- A truncated last step needs a next state. With ``next_observations`` columns it comes from them; without them the
+  step is dropped (its observation becomes the episode's final state) and the import summary counts it. An episode
+  left with no step is an error, never silently dropped (it would change which rows a unit owns).
+- With ``next_observations`` columns, each non-final row's next state must equal the following row's state.
+
+Every refusal is a ``ValidationError`` naming the column: a missing column, a non-numeric or missing value, NaN or
+inf, a non-integer or out-of-range action, an unsorted / duplicated / skipped step, an episode split across units,
+a misplaced end flag, a propensity outside (0, 1] (or a log-propensity > 0), an episode with no usable step.
+
+The unit column's values become ``metadata.unit_keys`` (strings) and ``metadata.unit_column`` names the column, so
+every sampler groups by the user's unit and every split by unit is a function of the user's id
+(``dporl.privacy.partition``). ``metadata.extra["import"]`` records what the import did (rows, dropped steps,
+placeholders); it counts private rows, so it is curator information: never print it in a release.
+
+All work is vectorised over rows (one stable sort only when episodes interleave), so importing costs a small
+multiple of reading the file (``benchmarks/bench_table.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+
+from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.utils.validation import ValidationError
+
+Columns = str | Sequence[str]
+DEFAULT_ENV_ID = "offline-table"  # no simulator: the data's environment is not a registered Gymnasium id
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+class _Table:
+    """Column access over a DataFrame, a Parquet file or a CSV file, reading only the columns asked for."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.kind: str
+        if _is_dataframe(source):
+            self.kind, self.names = "frame", [str(c) for c in source.columns]
+        else:
+            if not isinstance(source, (str, os.PathLike)):
+                raise ValidationError("source", f"expected a CSV/Parquet path or a pandas DataFrame, got {type(source).__name__}")
+            path = Path(source)
+            if not path.is_file():
+                raise ValidationError("source", f"no file at {path}")
+            self.path = path
+            if path.suffix.lower() in (".parquet", ".pq"):
+                import pyarrow.parquet as pq
+
+                self.kind = "parquet"
+                try:
+                    self.names = list(pq.read_schema(path).names)
+                except Exception as exc:
+                    raise ValidationError("source", f"{path} is not a readable Parquet file ({exc})") from exc
+            elif path.suffix.lower() in (".csv", ".tsv", ".txt", ".gz"):
+                self.kind = "csv"
+                self.delimiter = "\t" if ".tsv" in path.suffixes else ","
+                self.names = _csv_header(path, self.delimiter)
+            else:
+                raise ValidationError("source", f"unknown table format {path.suffix!r}: use .csv, .tsv or .parquet")
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def load(self, names: Sequence[str]) -> None:
+        missing = [n for n in names if n not in self.names]
+        if missing:
+            raise ValidationError(missing[0], f"no such column (columns: {', '.join(self.names[:20])}"
+                                  f"{', ...' if len(self.names) > 20 else ''})")
+        names = list(dict.fromkeys(names))
+        if self.kind == "frame":
+            columns = {str(c): c for c in self.source.columns}
+            for name in names:
+                series = self.source[columns[name]]
+                if series.isna().any() and series.dtype.kind not in "fc":
+                    raise ValidationError(name, f"{int(series.isna().sum())} missing value(s)")
+                self._arrays[name] = series.to_numpy()
+            return
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                table = pq.read_table(self.path, columns=names)
+            except Exception as exc:
+                raise ValidationError("source", f"cannot read {self.path} ({exc})") from exc
+        else:
+            from pyarrow import csv as pacsv
+
+            try:
+                table = pacsv.read_csv(
+                    self.path,
+                    parse_options=pacsv.ParseOptions(delimiter=self.delimiter),
+                    convert_options=pacsv.ConvertOptions(include_columns=names),
+                )
+            except Exception as exc:
+                raise ValidationError("source", f"cannot parse {self.path} as CSV ({exc})") from exc
+        for name in names:
+            column = table.column(name)
+            if column.null_count and not _arrow_is_float(column.type):
+                raise ValidationError(name, f"{column.null_count} missing value(s)")
+            self._arrays[name] = column.to_numpy()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._arrays[name]
+
+
+def _is_dataframe(value: Any) -> bool:
+    try:
+        import pandas as pd
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        return False
+    return isinstance(value, pd.DataFrame)
+
+
+def _arrow_is_float(arrow_type: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_floating(arrow_type)
+
+
+def _csv_header(path: Path, delimiter: str) -> list[str]:
+    import gzip
+
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    try:
+        with opener(path, "rt", newline="") as handle:
+            header = next(csv.reader(handle, delimiter=delimiter), None)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError("source", f"cannot read {path} as text ({exc})") from exc
+    if not header:
+        raise ValidationError("source", f"{path} has no header row")
+    return [name.strip() for name in header]
+
+
+def _resolve(table: _Table, spec: Columns, field_name: str) -> list[str]:
+    """Column names from a list, or from a string that is a column name or else a prefix of columns."""
+    if isinstance(spec, str):
+        if spec in table.names:
+            return [spec]
+        matched = [name for name in table.names if name.startswith(spec)]
+        if not matched:
+            raise ValidationError(field_name, f"no column named {spec!r} or starting with it")
+        return matched
+    names = list(spec)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValidationError(field_name, f"expected column names or a prefix, got {spec!r}")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def _numeric(name: str, values: np.ndarray) -> np.ndarray:
+    if values.dtype.kind not in "iufb":
+        raise ValidationError(name, f"expected numbers, got {values.dtype} values (e.g. {values[:1].tolist()})")
+    if values.dtype.kind == "f":
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            raise ValidationError(name, f"{len(bad)} NaN/inf value(s) (first at row {int(bad[0])})")
+    return values
+
+
+def _integers(name: str, values: np.ndarray) -> np.ndarray:
+    values = _numeric(name, values)
+    if values.dtype.kind == "f":
+        if not np.all(values == np.round(values)):
+            bad = int(np.flatnonzero(values != np.round(values))[0])
+            raise ValidationError(name, f"expected integers, found {values[bad]!r} (row {bad})")
+    return values.astype(np.int64, copy=False)
+
+
+def _flags(name: str, values: np.ndarray) -> np.ndarray:
+    if values.dtype.kind == "b":
+        return values
+    values = _integers(name, values)
+    if values.size and (values.min() < 0 or values.max() > 1):
+        raise ValidationError(name, "expected booleans (0/1, true/false)")
+    return values.astype(bool)
+
+
+def _factorize(values: np.ndarray, *, sort: bool) -> tuple[np.ndarray, np.ndarray]:
+    import pandas as pd
+
+    codes, uniques = pd.factorize(values, sort=sort)
+    if len(codes) and codes.min() < 0:  # pandas codes missing values as -1
+        raise ValidationError("id", "missing id values")
+    return codes.astype(np.int64, copy=False), np.asarray(uniques)
+
+
+# ---------------------------------------------------------------------------------------------------- import
+def read_table(
+    source: Any,
+    *,
+    episode: str,
+    unit: str,
+    observations: Columns,
+    action: str,
+    reward: str,
+    step: Optional[str] = None,
+    terminated: Optional[str] = None,
+    truncated: Optional[str] = None,
+    next_observations: Optional[Columns] = None,
+    propensity: Optional[str] = None,
+    propensity_kind: Literal["prob", "log_prob"] = "prob",
+    n_actions: Optional[int] = None,
+    env_id: Optional[str] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+) -> TrajectoryDataset:
+    """A validated ``TrajectoryDataset`` from a table with one row per decision (see the module docstring).
+
+    ``observations`` / ``next_observations``: a list of numeric columns, or a string naming one column or else a
+    prefix of columns (in table order). ``propensity``: the behaviour policy's probability of the logged action
+    (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``n_actions``: declare it (public);
+    by default the largest logged action + 1. ``env_id``: the simulator's id if one exists.
+    """
+    if propensity_kind not in ("prob", "log_prob"):
+        raise ValidationError("propensity_kind", f"expected 'prob' or 'log_prob', got {propensity_kind!r}")
+    for name, value in (("episode", episode), ("unit", unit), ("action", action), ("reward", reward)):
+        if not isinstance(value, str) or not value:
+            raise ValidationError(name, f"name the column, got {value!r}")
+    table = _Table(source)
+    obs_names = _resolve(table, observations, "observations")
+    next_names = None if next_observations is None else _resolve(table, next_observations, "next_observations")
+    if next_names is not None and len(next_names) != len(obs_names):
+        raise ValidationError(
+            "next_observations", f"{len(next_names)} column(s) for {len(obs_names)} observation column(s)"
+        )
+    optional = [c for c in (step, terminated, truncated, propensity) if c is not None]
+    table.load([episode, unit, action, reward, *obs_names, *(next_names or []), *optional])
+    n_rows = len(table[episode])
+    if n_rows == 0:
+        raise ValidationError("source", "the table has no rows")
+
+    # Episodes: codes by first appearance; rows of one episode keep their table order (a stable sort if interleaved).
+    episode_codes, _ = _factorize(table[episode], sort=False)
+    order = None
+    if np.any(episode_codes[1:] < episode_codes[:-1]):
+        order = np.argsort(episode_codes, kind="stable")
+        episode_codes = episode_codes[order]
+
+    def column(name: str) -> np.ndarray:
+        values = table[name]
+        return values if order is None else values[order]
+
+    boundaries = np.flatnonzero(episode_codes[1:] != episode_codes[:-1]) + 1
+    starts = np.concatenate([[0], boundaries]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [n_rows]])).astype(np.int64)
+    lasts = starts + lengths - 1
+    n_episodes = len(starts)
+    is_last = np.zeros(n_rows, dtype=bool)
+    is_last[lasts] = True
+    inside = ~is_last[:-1]  # row r and r + 1 belong to the same episode
+
+    steps = None
+    if step is not None:
+        steps = _integers(step, column(step))
+        gaps = np.diff(steps)[inside]
+        if np.any(gaps != 1):
+            row = int(np.flatnonzero(inside)[np.flatnonzero(gaps != 1)[0]])
+            kind = "duplicated" if gaps[gaps != 1][0] == 0 else ("unsorted" if gaps[gaps != 1][0] < 0 else "skipped")
+            raise ValidationError(
+                step, f"{kind} step in episode {column(episode)[row]!r}: step {steps[row]} is followed by "
+                f"{steps[row + 1]} (steps of an episode must be consecutive integers in row order)"
+            )
+
+    # Units: one per episode, constant over the episode's rows.
+    unit_values = column(unit)
+    unit_of_episode = unit_values[starts]
+    if np.any(unit_values != np.repeat(unit_of_episode, lengths)):
+        row = int(np.flatnonzero(unit_values != np.repeat(unit_of_episode, lengths))[0])
+        raise ValidationError(
+            unit, f"episode {column(episode)[row]!r} is split across units ({unit_of_episode[np.searchsorted(starts, row, 'right') - 1]!r} "
+            f"and {unit_values[row]!r}): a unit must own whole episodes"
+        )
+    unit_ids, unit_uniques = _factorize(unit_of_episode, sort=True)
+    unit_keys = [str(value) for value in unit_uniques.tolist()]
+    if len(set(unit_keys)) != len(unit_keys):
+        raise ValidationError(unit, "distinct unit values print the same; use ids whose text differs")
+
+    # End flags: only an episode's last row may carry one; every last row carries one.
+    term = None if terminated is None else _flags(terminated, column(terminated))
+    trunc = None if truncated is None else _flags(truncated, column(truncated))
+    for name, flags in ((terminated, term), (truncated, trunc)):
+        if flags is not None and np.any(flags & ~is_last):
+            row = int(np.flatnonzero(flags & ~is_last)[0])
+            raise ValidationError(
+                name, f"episode {column(episode)[row]!r} is flagged at a row that is not its last: only an "
+                "episode's last row may end it"
+            )
+    if term is None and trunc is None:
+        ends_terminated = np.ones(n_episodes, dtype=bool)
+    elif trunc is None:
+        ends_terminated = term[lasts]
+    elif term is None:
+        ends_terminated = ~trunc[lasts]
+    else:
+        ends_terminated = term[lasts]
+        open_ended = ~(term[lasts] | trunc[lasts])
+        if np.any(open_ended):
+            e = int(np.flatnonzero(open_ended)[0])
+            raise ValidationError(
+                terminated, f"episode {column(episode)[starts[e]]!r} ends with neither {terminated!r} nor {truncated!r} set"
+            )
+
+    # Observations and next states.
+    obs_columns = [_numeric(name, column(name)) for name in obs_names]
+    final_next = None
+    if next_names is not None:
+        next_columns = [column(name) for name in next_names]
+        for name, obs_values, next_values in zip(next_names, obs_columns, next_columns):
+            if next_values.dtype.kind not in "iuf":
+                raise ValidationError(name, f"expected numbers, got {next_values.dtype}")
+            needed = ~is_last | ~np.repeat(ends_terminated, lengths)  # terminal next states may be empty (NaN)
+            _numeric(name, next_values[needed])
+            mismatch = ~is_last[:-1] & (next_values[:-1].astype(np.float32) != obs_values[1:].astype(np.float32))
+            if np.any(mismatch):
+                row = int(np.flatnonzero(mismatch)[0])
+                raise ValidationError(
+                    name, f"row {row}'s next state differs from the following row's state in episode "
+                    f"{column(episode)[row]!r}: a transition's next state must be the next row's state"
+                )
+        final_next = np.stack([np.asarray(c[lasts], dtype=np.float32) for c in next_columns], axis=1)
+
+    # Which rows are transitions: all, except a truncated last row with no next state (dropped).
+    drop = np.zeros(n_episodes, dtype=bool) if next_names is not None else ~ends_terminated
+    if np.any(drop & (lengths == 1)):
+        e = int(np.flatnonzero(drop & (lengths == 1))[0])
+        raise ValidationError(
+            "episode", f"episode {column(episode)[starts[e]]!r} has no usable step: its only row is truncated and "
+            "there are no next-state columns (give next_observations, or drop the episode yourself)"
+        )
+    n_dropped = int(drop.sum())
+    transition_lengths = lengths - drop
+    kept = None
+    if n_dropped:
+        kept = np.ones(n_rows, dtype=bool)
+        kept[lasts[drop]] = False
+
+    def transitions_of(values: np.ndarray) -> np.ndarray:
+        return values if kept is None else values[kept]
+
+    actions = _integers(action, column(action))
+    if actions.size and actions.min() < 0:
+        raise ValidationError(action, f"actions must be >= 0, found {int(actions.min())}")
+    if n_actions is None:
+        n_actions = int(actions.max()) + 1
+    elif actions.max() >= n_actions:
+        raise ValidationError(action, f"actions must lie in [0, {n_actions}), found {int(actions.max())}")
+    rewards = _numeric(reward, column(reward))
+
+    log_probs = None
+    if propensity is not None:
+        values = transitions_of(_numeric(propensity, column(propensity))).astype(np.float64)
+        if propensity_kind == "prob":
+            if values.size and (values.min() <= 0 or values.max() > 1):
+                raise ValidationError(propensity, f"probabilities must lie in (0, 1], found [{values.min()}, {values.max()}]")
+            log_probs = np.log(values)
+        else:
+            if values.size and values.max() > 0:
+                raise ValidationError(propensity, f"log-probabilities must be <= 0, found {values.max()}")
+            log_probs = values
+
+    # Observation layout: the rows' states, plus one final state per episode that kept its last row
+    # (the next-state columns' value, or a zero placeholder after a termination).
+    full = ~drop
+    shift = np.cumsum(full) - full  # extra states inserted before episode e
+    n_obs = n_rows + int(full.sum())
+    obs_index = np.arange(n_rows, dtype=np.int64) + np.repeat(shift, lengths)
+    obs = np.zeros((n_obs, len(obs_columns)), dtype=np.float32)
+    for j, values in enumerate(obs_columns):
+        obs[obs_index, j] = values
+    extra_index = lasts[full] + 1 + shift[full]
+    if final_next is not None:
+        obs[extra_index] = np.where(ends_terminated[full, None], 0.0, final_next[full])
+    # else: zeros already (terminal placeholders)
+
+    term_out = np.zeros(int(transition_lengths.sum()), dtype=bool)
+    trunc_out = np.zeros_like(term_out)
+    new_lasts = np.cumsum(transition_lengths) - 1
+    term_out[new_lasts] = ends_terminated
+    trunc_out[new_lasts] = ~ends_terminated if trunc is None else (trunc[lasts] | ~ends_terminated)
+    summary = {
+        "rows": int(n_rows),
+        "episodes": int(n_episodes),
+        "units": len(unit_keys),
+        "transitions": int(transition_lengths.sum()),
+        "dropped_truncated_steps": n_dropped,
+        "terminal_placeholders": int(ends_terminated.sum()),
+        "columns": {
+            "episode": episode, "unit": unit, "observations": obs_names, "action": action, "reward": reward,
+            "step": step, "terminated": terminated, "truncated": truncated, "next_observations": next_names,
+            "propensity": propensity, "propensity_kind": propensity_kind if propensity else None,
+        },
+    }
+    metadata = DatasetMetadata(
+        env_id=env_id or DEFAULT_ENV_ID,
+        n_actions=int(n_actions),
+        n_experts=len(unit_keys),
+        obs_shape=(len(obs_columns),),
+        extra={**dict(extra or {}), "import": summary},
+        unit_column=unit,
+        unit_keys=tuple(unit_keys),
+    )
+    return TrajectoryDataset(
+        observations=obs,
+        actions=transitions_of(actions),
+        rewards=transitions_of(rewards),
+        terminations=term_out,
+        truncations=trunc_out,
+        episode_lengths=transition_lengths,
+        expert_ids=unit_ids,
+        start_steps=None if steps is None else steps[starts],
+        behavior_log_probs=log_probs,
+        metadata=metadata,
+    )
+
+
+def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, unit: str = "unit"):
+    """One row per transition (the inverse of ``read_table``): episode, ``unit`` (the unit key), step, obs_0..,
+    action, reward, terminated, truncated, optionally next_obs_0.. and log_propensity. For writing example tables."""
+    import pandas as pd
+
+    t = dataset.transitions()
+    keys = np.asarray(dataset.metadata.unit_key_strings(), dtype=object)
+    frame = {"episode": t.episode_ids, unit: keys[t.expert_ids], "step": t.timesteps}
+    obs = t.obs.reshape(len(t), -1)
+    frame.update({f"obs_{j}": obs[:, j] for j in range(obs.shape[1])})
+    frame.update(action=t.actions, reward=t.rewards, terminated=t.terminated, truncated=t.truncated)
+    if next_observations:
+        nxt = t.next_obs.reshape(len(t), -1)
+        frame.update({f"next_obs_{j}": nxt[:, j] for j in range(nxt.shape[1])})
+    if t.behavior_log_probs is not None:
+        frame["log_propensity"] = t.behavior_log_probs
+    return pd.DataFrame(frame)
+
+
+def import_summary(dataset: TrajectoryDataset) -> Optional[dict]:
+    """What ``read_table`` did (rows, dropped truncated steps, placeholders, column mapping); curator-only."""
+    return dataset.metadata.extra.get("import")
+
+
+def read_minari(
+    source: str | os.PathLike,
+    *,
+    unit: str | Mapping[int, int],
+    root: Optional[str | os.PathLike] = None,
+    behavior_log_prob_key: Optional[str] = "behavior_log_prob",
+    progress: bool = True,
+) -> TrajectoryDataset:
+    """A local Minari dataset with the privacy unit named: ``unit`` is the info key holding each episode's unit id
+    (constant over the episode), or a mapping Minari episode id -> unit id. Wraps
+    ``dporl.data.minari_io.import_minari``; the unit column and keys are recorded as ``read_table`` records them."""
+    from dporl.data.minari_io import import_minari
+
+    dataset = import_minari(
+        source, expert_id_key=unit, root=root, behavior_log_prob_key=behavior_log_prob_key, progress=progress
+    )
+    column = unit if isinstance(unit, str) else "minari_episode_unit"
+    return with_unit(dataset, column)
+
+
+def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
+    """The same episodes with units re-indexed densely from their ids and the unit ``column`` recorded."""
+    ids, uniques = _factorize(dataset.expert_ids, sort=True)
+    meta = dataset.metadata.to_dict()
+    meta.update(n_experts=len(uniques), unit_column=column, unit_keys=[str(int(u)) for u in uniques])
+    return TrajectoryDataset(
+        observations=dataset.observations,
+        actions=dataset.actions,
+        rewards=dataset.rewards,
+        terminations=dataset.terminations,
+        truncations=dataset.truncations,
+        episode_lengths=dataset.episode_lengths,
+        expert_ids=ids,
+        start_steps=dataset.start_steps,
+        behavior_log_probs=dataset.behavior_log_probs,
+        metadata=DatasetMetadata.from_dict(meta),
+    )
+
+
+__all__ = ["DEFAULT_ENV_ID", "import_summary", "read_minari", "read_table", "to_frame", "with_unit"]
