@@ -2,6 +2,11 @@
 
 The accountant never sees a description of the sampling written elsewhere: each source states its own per-step
 event (``step_event(noise_multiplier)``), so rate, unit and mixture cannot drift apart from what the code does.
+
+A private source also states its privacy ``unit`` (the grouping of its rows). The grouping belongs to the data
+(``dporl.privacy.units.dataset_unit``): ``PoissonUnitSource.from_dataset`` groups by the dataset's unit and names
+it, and the Trainer refuses an algorithm whose declared unit differs, so a report can never say "one expert" while
+the rows were grouped by episode.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Mapping, Optional
 import torch
 
 from dporl.privacy.events import MixtureEvent, PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent
+from dporl.privacy.units import PrivacyUnit, as_unit, dataset_unit
 from dporl.utils.validation import ValidationError, check_probability
 
 
@@ -95,6 +101,8 @@ class PoissonUnitSource:
         n_units: int,
         sample_rate: float,
         rows_per_unit: Optional[int] = None,
+        *,
+        unit: PrivacyUnit | str | None = None,
     ):
         n_rows = _check_rows(data)
         self.sample_rate = check_probability("sample_rate", sample_rate, allow_zero=False)
@@ -103,6 +111,30 @@ class PoissonUnitSource:
         self.data = dict(data)
         self.rows_per_unit = rows_per_unit
         self.index = _UnitIndex(unit_of_row, n_units, n_rows)
+        self.unit = None if unit is None else as_unit(unit)
+
+    @classmethod
+    def from_dataset(
+        cls,
+        dataset,
+        data: Mapping[str, torch.Tensor],
+        sample_rate: float,
+        rows_per_unit: Optional[int] = None,
+    ) -> "PoissonUnitSource":
+        """Rows grouped by the dataset's own unit: ``data`` holds one row per transition or one per episode
+        (e.g. padded trajectories); every unit of the dataset counts in the population, rows or not."""
+        n_rows = _check_rows(data)
+        units = torch.from_numpy(dataset.unit_ids.copy())
+        if n_rows == dataset.n_transitions:
+            unit_of_row = torch.repeat_interleave(units, torch.from_numpy(dataset.episode_lengths.copy()))
+        elif n_rows == dataset.n_episodes:
+            unit_of_row = units
+        else:
+            raise ValidationError(
+                "data", f"{n_rows} rows: expected one per transition ({dataset.n_transitions}) or per episode "
+                f"({dataset.n_episodes})"
+            )
+        return cls(data, unit_of_row, dataset.n_units, sample_rate, rows_per_unit, unit=dataset_unit(dataset))
 
     @property
     def n_units(self) -> int:
@@ -128,13 +160,22 @@ class FixedSizeSource:
     sigma * C, so the event's noise multiplier (relative to the sensitivity) is sigma / 2.
     """
 
-    def __init__(self, data: Mapping[str, torch.Tensor], unit_of_row: torch.Tensor, n_units: int, sample_size: int):
+    def __init__(
+        self,
+        data: Mapping[str, torch.Tensor],
+        unit_of_row: torch.Tensor,
+        n_units: int,
+        sample_size: int,
+        *,
+        unit: PrivacyUnit | str | None = None,
+    ):
         n_rows = _check_rows(data)
         if not 1 <= sample_size <= n_units:
             raise ValidationError("sample_size", f"need 1 <= sample_size <= {n_units}, got {sample_size}")
         self.data = dict(data)
         self.sample_size = sample_size
         self.index = _UnitIndex(unit_of_row, n_units, n_rows)
+        self.unit = None if unit is None else as_unit(unit)
 
     @property
     def n_units(self) -> int:
@@ -155,6 +196,8 @@ class FixedSizeSource:
 
 class UniformBatchSource:
     """Public (or released-stable) rows, ``batch_size`` uniformly with replacement: ordinary noiseless steps."""
+
+    unit = None  # protects nothing: its rows are public
 
     def __init__(self, data: Mapping[str, torch.Tensor], batch_size: int):
         self.n_rows = _check_rows(data)
@@ -188,6 +231,10 @@ class MixtureSource:
         self.private_probability = check_probability("private_probability", private_probability)
         self.private_source = private
         self.public_source = public
+
+    @property
+    def unit(self) -> Optional[PrivacyUnit]:
+        return getattr(self.private_source, "unit", None)
 
     @property
     def expected_batch_size(self) -> float:

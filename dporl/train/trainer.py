@@ -181,11 +181,19 @@ class Trainer:
         return plan_privacy(self.dp, self.config.max_steps, self.source.step_event)
 
     def _open_stage(self) -> None:
-        """The private stage of this run, in the ledger: budget, analysis and the algorithm's privacy unit."""
+        """The private stage of this run, in the ledger: budget, analysis and the privacy unit, which the source's
+        grouping owns (an algorithm declaring another unit is refused)."""
         unit = getattr(self.algorithm, "privacy_unit", None)
         if unit is None:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
         unit = as_unit(unit)
+        grouped = getattr(self.source, "unit", None)
+        if grouped is not None and as_unit(grouped) != unit:
+            raise ValidationError(
+                "algorithm.privacy_unit",
+                f"the algorithm declares unit {unit} ({unit.meaning}) but the batch source groups rows by "
+                f"{grouped} ({grouped.meaning}); build the algorithm with the data's unit",
+            )
         budget = (self.dp.epsilon, self.dp.delta)
         if self.stage not in self.ledger.stages:
             self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit)
