@@ -21,6 +21,13 @@ and a stage is refused at opening unless the stage budgets, composed basically, 
 stays within its own budget, the run's guarantee (the smaller of basic composition and the joint PLD) never
 exceeds the run budget, whatever state is restored from disk (restored stages and events are checked the same way).
 
+Parallel composition. A ledger may declare one ``UnitPartition`` (``partition``: units split into cells by a keyed
+hash of their ids, never by the data) and each stage may name the cells it touches (``cells=``; default: every
+cell). Each unit lives in exactly one cell, so its privacy loss is the sequential composition of the stages that
+touch its cell (basic and joint PLD, as above), and the run's guarantee is the largest over cells: (max eps,
+max delta). Stages over the same cell, or over all units, compose sequentially. The report says which it applied.
+A run budget is then checked cell by cell. ``assume`` records a premise the guarantee rests on (printed with it).
+
 Write-ahead journal (``attach_journal``): with a journal attached, every change of the ledger's state (a stage
 opened, an event charged, a paper claim, a void) is handed to the journal BEFORE the call returns, so a mechanism
 runs only after its cost is durable. ``authorise(stage, event, k)`` charges ``k`` runs ahead of time (one write for
@@ -47,6 +54,7 @@ from dporl.privacy.accountants import (
     within_budget,
 )
 from dporl.privacy.events import PrivacyEvent, event_to_dict
+from dporl.privacy.partition import UnitPartition
 from dporl.privacy.units import PrivacyUnit, Relation, as_unit
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -84,6 +92,7 @@ class Stage:
     # (event, how many more of it are already verified to fit); not saved: recomputed after a restore.
     headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
     grant: int = 1  # next headroom request size (doubles while requests succeed)
+    cells: Optional[tuple[str, ...]] = None  # cells of the ledger's partition this stage touches (None: all units)
 
 
 @dataclass
@@ -95,6 +104,18 @@ class StageReport:
     delta: float
     budget: Optional[tuple[float, float]]
     events: list[tuple[dict[str, Any], int]]
+    cells: Optional[tuple[str, ...]] = None
+
+
+@dataclass
+class CellReport:
+    """One cell of a partition: the stages that touch its units, composed sequentially."""
+
+    name: str
+    stages: list[str]
+    epsilon: float
+    delta: float
+    analysis: str
 
 
 @dataclass
@@ -108,12 +129,32 @@ class PrivacyReport:
     notes: list[str] = field(default_factory=list)
     paper_claims: list[PaperClaim] = field(default_factory=list)
     void: Optional[str] = None  # why this run has no guarantee at all (e.g. a release no analysis covers)
+    partition: Optional[UnitPartition] = None
+    cells: Optional[list[CellReport]] = None  # per-cell composition, when stages touch different cells
+
+    @property
+    def composition(self) -> str:
+        if self.cells is None:
+            return "sequential: every stage touches every unit"
+        return (
+            "parallel over the cells of a partition of the units (" + self.partition.describe() + "): each unit "
+            "lives in one cell; stages touching a cell compose sequentially; the guarantee is the largest cell's"
+        )
 
     @property
     def guarantee(self) -> Optional[tuple[float, float, str]]:
-        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta (None when void)."""
+        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta (None when void);
+        with cells, the largest cell's (max epsilon, max delta)."""
         if self.void is not None:
             return None
+        if self.cells is not None:
+            if self.basic is None:  # units or relations differ: nothing combines
+                return None
+            worst = max(self.cells, key=lambda c: c.epsilon)
+            return (
+                worst.epsilon, max(c.delta for c in self.cells),
+                f"parallel composition over cells (largest: {worst.name!r}, {worst.analysis})",
+            )
         options = []
         if self.basic is not None:
             single = len(self.stages) == 1
@@ -139,7 +180,14 @@ class PrivacyReport:
                 f"stage {s.name!r}: eps={s.epsilon:.4g} at delta={s.delta:g}{budget}; unit: {s.unit}; "
                 f"analysis: {s.analysis}"
             )
-        if len(self.stages) > 1:
+        if self.cells is not None:
+            lines.append(f"composition: {self.composition}")
+            for c in self.cells:
+                lines.append(
+                    f"cell {c.name!r} (stages {', '.join(c.stages) or 'none'}): eps={c.epsilon:.4g}, "
+                    f"delta={c.delta:g}; {c.analysis}"
+                )
+        elif len(self.stages) > 1:
             if self.basic is not None:
                 lines.append(f"basic composition: eps={self.basic[0]:.4g}, delta={self.basic[1]:g}")
             lines.append(
@@ -173,8 +221,15 @@ class PrivacyReport:
                     "delta": s.delta,
                     "budget": list(s.budget) if s.budget else None,
                     "events": [[event, count] for event, count in s.events],
+                    "cells": None if s.cells is None else list(s.cells),
                 }
                 for s in self.stages
+            ],
+            "composition": self.composition,
+            "partition": None if self.partition is None else self.partition.to_dict(),
+            "cells": None if self.cells is None else [
+                {"name": c.name, "stages": c.stages, "epsilon": c.epsilon, "delta": c.delta, "analysis": c.analysis}
+                for c in self.cells
             ],
             "basic_composition": list(self.basic) if self.basic else None,
             "joint_pld": list(self.joint) if self.joint else None,
@@ -193,7 +248,7 @@ class PrivacyReport:
 
 
 class PrivacyLedger:
-    """Named stages composed sequentially into one run's guarantee (see the module docstring)."""
+    """Named stages composed into one run's guarantee: sequentially, or in parallel over the cells of a partition."""
 
     def __init__(self, budget: Optional[tuple[float, float]] = None) -> None:
         self.stages: dict[str, Stage] = {}
@@ -202,6 +257,35 @@ class PrivacyLedger:
         self.budget = None if budget is None else _check_budget("ledger.budget", budget)
         self._journal: Optional[Callable[[dict[str, Any]], None]] = None
         self._ahead: dict[tuple[str, PrivacyEvent], int] = {}  # authorised runs not yet recorded
+        self.unit_partition: Optional[UnitPartition] = None
+        self.assumptions: list[str] = []
+
+    # ------------------------------------------------------------------ parallel composition, premises
+    def partition(self, partition: UnitPartition) -> UnitPartition:
+        """Declare the split of the units into cells that stages may name (``stage(..., cells=...)``).
+
+        Only a ``UnitPartition`` (a keyed hash of unit ids with a public salt) is accepted: a split computed from
+        the data would void parallel composition. Declared once (the same partition again is a no-op).
+        """
+        if not isinstance(partition, UnitPartition):
+            raise ValidationError(
+                "ledger.partition", f"expected a UnitPartition (keyed hash of unit ids), got {type(partition).__name__}: "
+                "a split that depends on the data cannot be declared"
+            )
+        if self.unit_partition is not None and self.unit_partition != partition:
+            raise ValidationError("ledger.partition", "a different partition is already declared for this run")
+        if self.unit_partition is None:
+            self.unit_partition = partition
+            self._write()
+        return partition
+
+    def assume(self, assumption: str) -> None:
+        """Record a premise the guarantee rests on (e.g. "the number of units is public"); printed with the report."""
+        if not isinstance(assumption, str) or not assumption:
+            raise ValidationError("ledger.assume", "state the assumption in words")
+        if assumption not in self.assumptions:
+            self.assumptions.append(assumption)
+            self._write()
 
     # ------------------------------------------------------------------ write-ahead journal
     @property
@@ -230,6 +314,10 @@ class PrivacyLedger:
         """This ledger := ``recovered`` plus every stage, event and claim this ledger holds (budgets checked)."""
         merged = PrivacyLedger(self.budget)
         merged.load_state_dict(recovered)
+        if self.unit_partition is not None:
+            merged.partition(self.unit_partition)  # a different partition on disk is refused
+        for assumption in self.assumptions:
+            merged.assume(assumption)
         for name, s in self.stages.items():
             if name in merged.stages:
                 other = merged.stages[name]
@@ -240,7 +328,7 @@ class PrivacyLedger:
                     )
             else:
                 merged.stage(name, budget=s.budget, mechanism=s.mechanism, unit=s.unit,
-                             delta=None if s.budget else s.delta)
+                             delta=None if s.budget else s.delta, cells=s.cells)
                 merged.stages[name].analysis = s.analysis
             for event, count in s.accountant.history:
                 merged._charge(name, event, count)
@@ -250,6 +338,7 @@ class PrivacyLedger:
         if self.void_reason is not None:
             merged.void(self.void_reason)
         self.stages, self.paper_claims, self.void_reason = merged.stages, merged.paper_claims, merged.void_reason
+        self.unit_partition, self.assumptions = merged.unit_partition, merged.assumptions
 
     def paper_claim(self, name: str, epsilon: float, delta: float, source: str) -> PaperClaim:
         """Record a published analysis's figure that is NOT a guarantee for this run (see ``PaperClaim``)."""
@@ -276,8 +365,11 @@ class PrivacyLedger:
         unit: PrivacyUnit | str = "expert",
         delta: Optional[float] = None,
         analysis: Optional[str] = None,
+        cells: Optional[tuple[str, ...] | list[str]] = None,
     ) -> Stage:
         """Open a stage. ``delta`` (only without a budget) is the delta its epsilon is reported at.
+
+        ``cells``: the cells of the declared partition whose units this stage touches (None: every unit).
 
         ``analysis`` names what proved the recorded events' guarantees when the accountant only composes them
         (e.g. a sparse-vector proof whose (eps, delta) runs the PLD composes); default: the accountant's name.
@@ -298,11 +390,12 @@ class PrivacyLedger:
             raise ValidationError(f"ledger.{name}.delta", "a stage without a budget needs the delta to report at")
         else:
             delta = check_probability(f"ledger.{name}.delta", delta, allow_zero=False, allow_one=False)
+        cells = self._check_cells(name, cells)
         if self.budget is not None:
-            self._check_fits_run(name, budget)
+            self._check_fits_run(name, budget, cells)
         composed_by = analysis_name(mechanism)
         label = composed_by if analysis is None else f"{analysis}; composed by {composed_by}"
-        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label)
+        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label, cells=cells)
         self.stages[name] = stage
         try:
             self._write()
@@ -311,20 +404,42 @@ class PrivacyLedger:
             raise
         return stage
 
-    def _check_fits_run(self, name: str, budget: Optional[tuple[float, float]]) -> None:
-        """Under a run budget, a new stage's budget must fit beside the others' (basic composition)."""
+    def _check_cells(self, name: str, cells: Any) -> Optional[tuple[str, ...]]:
+        if cells is None:
+            return None
+        if self.unit_partition is None:
+            raise ValidationError(f"ledger.{name}.cells", "declare the partition first (ledger.partition)")
+        if isinstance(cells, str) or not cells:
+            raise ValidationError(f"ledger.{name}.cells", f"expected a non-empty list of cell names, got {cells!r}")
+        unknown = [c for c in cells if c not in self.unit_partition.names]
+        if unknown:
+            raise ValidationError(
+                f"ledger.{name}.cells", f"unknown cell {unknown[0]!r} (cells: {list(self.unit_partition.names)})"
+            )
+        cells = tuple(dict.fromkeys(cells))
+        return None if set(cells) == set(self.unit_partition.names) else cells  # every cell: every unit
+
+    def _check_fits_run(self, name: str, budget: Optional[tuple[float, float]], cells: Optional[tuple[str, ...]]) -> None:
+        """Under a run budget, a new stage's budget must fit beside the others' (basic composition) in every cell
+        it touches (all units when the ledger has no partition)."""
         if budget is None:
             raise PrivacyBudgetError(
                 f"ledger.{name}.budget", f"the run has a total budget {self.budget}: every stage needs a budget"
             )
-        eps = sum(s.budget[0] for s in self.stages.values()) + budget[0]
-        delta = sum(s.budget[1] for s in self.stages.values()) + budget[1]
-        if not (within_budget(eps, self.budget[0]) and within_budget(delta, self.budget[1])):
-            raise PrivacyBudgetError(
-                f"ledger.{name}.budget",
-                f"stage budgets would total (eps={eps:.6g}, delta={delta:.3g}), more than the run's budget "
-                f"(eps={self.budget[0]:g}, delta={self.budget[1]:g})",
-            )
+        names = self.unit_partition.names if self.unit_partition is not None else (None,)
+        for cell in names:
+            if cell is not None and cells is not None and cell not in cells:
+                continue
+            sharing = [s for s in self.stages.values() if cell is None or s.cells is None or cell in s.cells]
+            eps = sum(s.budget[0] for s in sharing) + budget[0]
+            delta = sum(s.budget[1] for s in sharing) + budget[1]
+            if not (within_budget(eps, self.budget[0]) and within_budget(delta, self.budget[1])):
+                where = "" if cell is None else f" in cell {cell!r}"
+                raise PrivacyBudgetError(
+                    f"ledger.{name}.budget",
+                    f"stage budgets{where} would total (eps={eps:.6g}, delta={delta:.3g}), more than the run's budget "
+                    f"(eps={self.budget[0]:g}, delta={self.budget[1]:g})",
+                )
 
     def _get(self, name: str) -> Stage:
         if name not in self.stages:
@@ -430,10 +545,11 @@ class PrivacyLedger:
                 s.delta,
                 s.budget,
                 [(event_to_dict(e), c) for e, c in s.accountant.history],
+                s.cells,
             )
             for s in self.stages.values()
         ]
-        notes: list[str] = []
+        notes: list[str] = [f"assumes: {a}" for a in self.assumptions]
         units = list(dict.fromkeys(s.unit for s in self.stages.values()))
         unit = units[0] if len(units) == 1 else None
         relations = sorted(self._relations())
@@ -450,10 +566,13 @@ class PrivacyLedger:
             basic = (sum(s.epsilon for s in stages), sum(s.delta for s in stages))
         joint, joint_note = None, ""
         if basic is not None and len(stages) > 1:
-            joint, joint_note = self._joint(basic[1])
+            joint, joint_note = self._joint(list(self.stages.values()), basic[1])
+        cells = None
+        if self.unit_partition is not None and any(s.cells is not None for s in self.stages.values()):
+            cells = [self._cell(name, stages) for name in self.unit_partition.names]
         report = PrivacyReport(
             stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes,
-            list(self.paper_claims), self.void_reason,
+            list(self.paper_claims), self.void_reason, self.unit_partition, cells,
         )
         guarantee = report.guarantee
         if self.budget is not None and guarantee is not None and not (
@@ -465,6 +584,20 @@ class PrivacyLedger:
             )
         return report
 
+    def _cell(self, name: str, reports: list[StageReport]) -> CellReport:
+        """Sequential composition of the stages touching cell ``name``: the smaller of basic and joint PLD."""
+        touching = [s for s in self.stages.values() if s.cells is None or name in s.cells]
+        by_name = {r.name: r for r in reports}
+        if not touching:
+            return CellReport(name, [], 0.0, 0.0, "no stage touches this cell")
+        basic = (sum(by_name[s.name].epsilon for s in touching), sum(s.delta for s in touching))
+        if len(touching) == 1:
+            return CellReport(name, [touching[0].name], *basic, touching[0].analysis)
+        joint, _ = self._joint(touching, basic[1])
+        if joint is not None and joint[0] < basic[0]:
+            return CellReport(name, [s.name for s in touching], *joint, "joint PLD over the cell's stages")
+        return CellReport(name, [s.name for s in touching], *basic, "basic composition of the cell's stages")
+
     def _relations(self) -> set[Relation]:
         """The neighbouring relations the recorded events were analysed under (bounded change for reward units)."""
         return {
@@ -474,8 +607,8 @@ class PrivacyLedger:
             if c and not spends_nothing(e)
         }
 
-    def _joint(self, total_delta: float) -> tuple[Optional[tuple[float, float]], str]:
-        events = [(e, c) for s in self.stages.values() for e, c in s.accountant.history]
+    def _joint(self, stages: list[Stage], total_delta: float) -> tuple[Optional[tuple[float, float]], str]:
+        events = [(e, c) for s in stages for e, c in s.accountant.history]
         try:
             for event, _ in events:
                 if not spends_nothing(event):
@@ -497,12 +630,15 @@ class PrivacyLedger:
                     "delta": s.delta,
                     "analysis": s.analysis,
                     "accountant": s.accountant.state_dict(),
+                    "cells": None if s.cells is None else list(s.cells),
                 }
                 for s in self.stages.values()
             ],
             "paper_claims": [claim.to_dict() for claim in self.paper_claims],
             "void": self.void_reason,
             "budget": list(self.budget) if self.budget else None,
+            "partition": None if self.unit_partition is None else self.unit_partition.to_dict(),
+            "assumptions": list(self.assumptions),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -516,6 +652,7 @@ class PrivacyLedger:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise ValidationError("ledger", f"saved ledger state is malformed ({type(exc).__name__}: {exc})") from None
         self.stages, self.paper_claims, self.void_reason = restored.stages, restored.paper_claims, restored.void_reason
+        self.unit_partition, self.assumptions = restored.unit_partition, restored.assumptions
         self._ahead = {}
         self._write()
 
@@ -529,11 +666,17 @@ class PrivacyLedger:
                 f"{self.budget}"
             )
         restored = PrivacyLedger(self.budget)
+        if state.get("partition") is not None:
+            restored.partition(UnitPartition.from_dict(state["partition"]))
+        assumptions = state.get("assumptions", [])
+        if not isinstance(assumptions, list) or not all(isinstance(a, str) and a for a in assumptions):
+            raise ValidationError("ledger.assumptions", f"must be a list of non-empty strings, got {assumptions!r}")
+        restored.assumptions = list(assumptions)
         for entry in state["stages"]:
             budget = tuple(entry["budget"]) if entry["budget"] is not None else None
             s = restored.stage(
                 entry["name"], budget=budget, mechanism=entry["mechanism"], unit=PrivacyUnit.from_dict(entry["unit"]),
-                delta=None if budget else entry["delta"],
+                delta=None if budget else entry["delta"], cells=entry.get("cells"),
             )
             if not isinstance(entry["analysis"], str):
                 raise ValidationError("ledger", f"stage {s.name!r}: analysis must be a string")
