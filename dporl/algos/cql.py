@@ -98,6 +98,16 @@ def mlp(in_dim: int, hidden_sizes: list[int], out_dim: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+@torch.no_grad()
+def update_target(target: nn.Module, online: nn.Module, step: int, tau: Optional[float], every: int) -> None:
+    """Polyak averaging by ``tau`` per step, or a hard copy every ``every`` steps (post-processing of iterates)."""
+    if tau is not None:
+        for t, o in zip(target.parameters(), online.parameters()):
+            t.lerp_(o, tau)
+    elif step % every == 0:
+        target.load_state_dict(online.state_dict())
+
+
 class DiscreteCQL(nn.Module):
     """Q-network + target network; ``row_losses`` reads batch keys obs, actions, rewards, next_obs, terminated."""
 
@@ -142,13 +152,8 @@ class DiscreteCQL(nn.Module):
         conservative = torch.logsumexp(q_all, dim=1) - q_taken
         return td + self.config.alpha * conservative
 
-    @torch.no_grad()
     def on_step_end(self, step: int) -> None:
-        if self.config.tau is not None:
-            for target, online in zip(self.target_network.parameters(), self.q_network.parameters()):
-                target.lerp_(online, self.config.tau)
-        elif step % self.config.target_update_every == 0:
-            self.target_network.load_state_dict(self.q_network.state_dict())
+        update_target(self.target_network, self.q_network, step, self.config.tau, self.config.target_update_every)
 
     def _device(self) -> torch.device:
         return next(self.q_network.parameters()).device

@@ -655,19 +655,22 @@ class TrajectoryDataset:
             metadata=metadata,
         )
 
+    def replace(self, **changes: Any) -> "TrajectoryDataset":
+        """A validated copy with some constructor fields replaced (the rest shared, not copied)."""
+        fields_ = {name: getattr(self, name) for name in _ARRAY_DTYPES}
+        unknown = sorted(set(changes) - set(fields_) - {"metadata"})
+        if unknown:
+            raise ValidationError(unknown[0], "not a TrajectoryDataset field")
+        return TrajectoryDataset(**{**fields_, "metadata": self.metadata, **changes})
+
     def with_identities_removed(self, metadata: DatasetMetadata) -> "TrajectoryDataset":
         """Same episodes, every expert id 0 and no behaviour log-probs (both identify the logging expert)."""
-        return TrajectoryDataset(
-            observations=self.observations,
-            actions=self.actions,
-            rewards=self.rewards,
-            terminations=self.terminations,
-            truncations=self.truncations,
-            episode_lengths=self.episode_lengths,
-            expert_ids=np.zeros(self.n_episodes, dtype=np.int64),
-            start_steps=self.start_steps,
-            metadata=metadata,
-        )
+        return self.replace(expert_ids=np.zeros(self.n_episodes, dtype=np.int64), behavior_log_probs=None,
+                            metadata=metadata)
+
+    def initial_observations(self) -> np.ndarray:
+        """Every episode's first observation [n_episodes, *obs_shape] (a fresh array)."""
+        return np.take(self.observations, self._observation_starts, axis=0)
 
     def episode_returns(self) -> np.ndarray:
         """Undiscounted return of every episode [n_episodes] (float64)."""

@@ -251,12 +251,17 @@ def read_table(
     if n_rows == 0:
         raise ValidationError("source", "the table has no rows")
 
-    # Episodes: codes by first appearance; rows of one episode keep their table order (a stable sort if interleaved).
-    episode_codes, _ = _factorize(table[episode], sort=False)
+    # Episodes: rows of one episode keep their table order (a stable sort by first appearance if interleaved).
+    # A numeric id column that never decreases needs no factorisation: its changes are the boundaries.
+    ids = table[episode]
     order = None
-    if np.any(episode_codes[1:] < episode_codes[:-1]):
-        order = np.argsort(episode_codes, kind="stable")
-        episode_codes = episode_codes[order]
+    if ids.dtype.kind in "iuf" and not np.any(ids[1:] < ids[:-1]):
+        episode_codes = ids
+    else:
+        episode_codes, _ = _factorize(ids, sort=False)
+        if np.any(episode_codes[1:] < episode_codes[:-1]):
+            order = np.argsort(episode_codes, kind="stable")
+            episode_codes = episode_codes[order]
 
     def column(name: str) -> np.ndarray:
         values = table[name]
@@ -286,8 +291,9 @@ def read_table(
     # Units: one per episode, constant over the episode's rows.
     unit_values = column(unit)
     unit_of_episode = unit_values[starts]
-    if np.any(unit_values != np.repeat(unit_of_episode, lengths)):
-        row = int(np.flatnonzero(unit_values != np.repeat(unit_of_episode, lengths))[0])
+    changes = (unit_values[1:] != unit_values[:-1]) & inside
+    if np.any(changes):
+        row = int(np.flatnonzero(changes)[0]) + 1
         raise ValidationError(
             unit, f"episode {column(episode)[row]!r} is split across units ({unit_of_episode[np.searchsorted(starts, row, 'right') - 1]!r} "
             f"and {unit_values[row]!r}): a unit must own whole episodes"
@@ -370,7 +376,9 @@ def read_table(
 
     log_probs = None
     if propensity is not None:
-        values = transitions_of(_numeric(propensity, column(propensity))).astype(np.float64)
+        values = transitions_of(_numeric(propensity, column(propensity)))
+        if values.dtype.kind != "f":
+            values = values.astype(np.float64)
         if propensity_kind == "prob":
             if values.size and (values.min() <= 0 or values.max() > 1):
                 raise ValidationError(propensity, f"probabilities must lie in (0, 1], found [{values.min()}, {values.max()}]")
@@ -484,18 +492,7 @@ def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
     ids, uniques = _factorize(dataset.expert_ids, sort=True)
     meta = dataset.metadata.to_dict()
     meta.update(n_experts=len(uniques), unit_column=column, unit_keys=[str(int(u)) for u in uniques])
-    return TrajectoryDataset(
-        observations=dataset.observations,
-        actions=dataset.actions,
-        rewards=dataset.rewards,
-        terminations=dataset.terminations,
-        truncations=dataset.truncations,
-        episode_lengths=dataset.episode_lengths,
-        expert_ids=ids,
-        start_steps=dataset.start_steps,
-        behavior_log_probs=dataset.behavior_log_probs,
-        metadata=DatasetMetadata.from_dict(meta),
-    )
+    return dataset.replace(expert_ids=ids, metadata=DatasetMetadata.from_dict(meta))
 
 
 __all__ = ["DEFAULT_ENV_ID", "import_summary", "read_minari", "read_table", "to_frame", "with_unit"]

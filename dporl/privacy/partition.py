@@ -99,12 +99,7 @@ class UnitPartition:
             meta = dataset.metadata.to_dict()
             meta.update(n_experts=len(members), unit_keys=[str(k) for k in keys[members]],
                         unit_column=dataset.metadata.unit_column or "expert_id")
-            result[name] = TrajectoryDataset(
-                observations=part.observations, actions=part.actions, rewards=part.rewards,
-                terminations=part.terminations, truncations=part.truncations, episode_lengths=part.episode_lengths,
-                expert_ids=remap[part.expert_ids], start_steps=part.start_steps,
-                behavior_log_probs=part.behavior_log_probs, metadata=DatasetMetadata.from_dict(meta),
-            )
+            result[name] = part.replace(expert_ids=remap[part.expert_ids], metadata=DatasetMetadata.from_dict(meta))
         return result
 
     def to_dict(self) -> dict[str, Any]:

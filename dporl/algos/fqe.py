@@ -1,0 +1,89 @@
+"""Fitted Q evaluation (Le, Voloshin, Yue 2019) of a fixed target policy, as a per-row loss for unit-level DP-SGD.
+
+Per transition (s, a, r, s', done), with the target policy's action probabilities pi(. | s') given as data:
+
+    y_i        = r / reward_scale + gamma (1 - done) sum_a' pi(a' | s') Q_target(s', a')
+    row_loss_i = loss(Q(s, a), y_i)            (Huber or squared error)
+
+The target network is a deterministic function of past iterates (post-processing). ``pi(. | s')`` is computed from
+the public target policy before training and travels with the rows (key ``next_pi``), so the loss never calls user
+code. After a terminal step the next state is a placeholder (``dporl.data.dataset``): ``1 - done`` masks it.
+
+The policy's value at a state is ``sum_a pi(a | s) Q(s, a)`` (``state_values``), in reward units after
+multiplying by ``reward_scale``. An empty ``hidden_sizes`` gives a linear Q (tabular on one-hot observations).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dporl.algos.cql import mlp, update_target
+from dporl.privacy.units import PrivacyUnit, as_unit
+from dporl.utils.validation import ValidationError, check_positive, check_probability
+
+FQE_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated", "next_pi")
+
+
+@dataclass
+class FQEConfig:
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    gamma: float = 0.99
+    td_loss: Literal["huber", "mse"] = "huber"
+    target_update_every: int = 100  # hard copy every this many steps, unless tau is set
+    tau: Optional[float] = None
+    reward_scale: float = 1.0  # public constant dividing rewards (Q is learnt in these units)
+
+    def __post_init__(self) -> None:
+        check_probability("fqe.gamma", self.gamma)
+        if any(int(h) != h or h < 1 for h in self.hidden_sizes):
+            raise ValidationError("fqe.hidden_sizes", f"need positive layer sizes, got {self.hidden_sizes}")
+        if self.target_update_every < 1:
+            raise ValidationError("fqe.target_update_every", f"must be >= 1, got {self.target_update_every}")
+        if self.tau is not None:
+            check_probability("fqe.tau", self.tau, allow_zero=False)
+        check_positive("fqe.reward_scale", self.reward_scale)
+
+
+class DiscreteFQE(nn.Module):
+    """Q-network of the target policy + its target network; ``row_losses`` reads ``FQE_KEYS``."""
+
+    def __init__(self, obs_dim: int, n_actions: int, config: FQEConfig, privacy_unit: PrivacyUnit | str):
+        super().__init__()
+        if obs_dim < 1 or n_actions < 1:
+            raise ValidationError("fqe", f"need obs_dim >= 1 and n_actions >= 1, got {obs_dim}, {n_actions}")
+        self.config = config
+        self.n_actions = n_actions
+        self.privacy_unit = as_unit(privacy_unit)
+        self.q_network = mlp(obs_dim, list(config.hidden_sizes), n_actions)
+        self.target_network = copy.deepcopy(self.q_network)
+        self.target_network.requires_grad_(False)
+
+    def row_losses(self, batch) -> torch.Tensor:
+        data = batch.data
+        q_taken = self.q_network(data["obs"]).gather(1, data["actions"].long().unsqueeze(1)).squeeze(1)
+        with torch.no_grad():
+            next_value = (self.target_network(data["next_obs"]) * data["next_pi"]).sum(dim=1)
+            not_done = 1.0 - data["terminated"].float()
+            y = data["rewards"].float() / self.config.reward_scale + self.config.gamma * not_done * next_value
+        if self.config.td_loss == "huber":
+            return F.smooth_l1_loss(q_taken, y, reduction="none")
+        return 0.5 * (q_taken - y) ** 2
+
+    @torch.no_grad()
+    def state_values(self, obs: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
+        """V^pi(s) = sum_a pi(a|s) Q(s, a), in reward units, for observations [B, d] and probabilities [B, A]."""
+        return (self.q_network(obs) * pi).sum(dim=1) * self.config.reward_scale
+
+    @torch.no_grad()
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        """Q(s, .) in reward units [B, A]."""
+        return self.q_network(obs) * self.config.reward_scale
+
+    def on_step_end(self, step: int) -> None:
+        update_target(self.target_network, self.q_network, step, self.config.tau, self.config.target_update_every)
