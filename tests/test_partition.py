@@ -12,7 +12,10 @@ from dporl.privacy.accountants import epsilon_for
 from dporl.privacy.events import ApproxDPEvent, PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition, fold_partition
+from dporl.privacy.units import EXPERT, dataset_unit
 from dporl.utils.validation import ValidationError
+
+from test_dataset import make_dataset
 
 from test_table import COLUMNS, logged_frame
 
@@ -49,6 +52,9 @@ def test_split_covers_every_episode_once_and_keeps_unit_ids():
         part_keys = np.asarray(part.metadata.unit_keys)[part.unit_ids]
         assert set(part_keys) == keys[name]
     assert sum(p.n_transitions for p in parts.values()) == dataset.n_transitions
+    assert all(dataset_unit(p) == dataset_unit(dataset) for p in parts.values())  # the unit survives the split
+    expert_data, _ = make_dataset(seed=9, n_episodes=30)
+    assert all(dataset_unit(p) == EXPERT for p in SPLIT.split(expert_data).values())
 
 
 def test_disjoint_cells_compose_in_parallel_and_shared_units_sequentially():

@@ -97,8 +97,7 @@ class UnitPartition:
             episodes = np.flatnonzero(unit_cell[dataset.unit_ids] == index)
             part = dataset.subset(episodes)
             meta = dataset.metadata.to_dict()
-            meta.update(n_experts=len(members), unit_keys=[str(k) for k in keys[members]],
-                        unit_column=dataset.metadata.unit_column or "expert_id")
+            meta.update(n_experts=len(members), unit_keys=[str(k) for k in keys[members]])  # same unit column
             result[name] = part.replace(expert_ids=remap[part.expert_ids], metadata=DatasetMetadata.from_dict(meta))
         return result
 
