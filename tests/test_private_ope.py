@@ -192,16 +192,23 @@ def test_dp_fqe_folds_compose_in_parallel(tmp_path):
     assert sum(s.epsilon for s in report.stages) > 2.5  # sequential composition would have cost ~3x
     assert len(result.fold_values) == 3 and result.ci_low <= result.value <= result.ci_high
     assert "folds" in result.variance
+    # DP-SGD divided by sample_rate x units: that premise is stated with the guarantee, and survives a restore.
+    assert any("number of units" in note for note in report.notes) and "assumes:" in report.describe()
+    restored = PrivacyLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.report().notes == report.notes
 
 
 def test_dp_doubly_robust_spends_each_budget_on_its_own_cell(tmp_path):
     ledger = PrivacyLedger()
+    public = FQETraining(**{**TRAINING.__dict__, "expected_units": 20.0})  # a public normaliser: count stays private
     result, model = dp_doubly_robust(_data(400), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(5),
-                                     run_dir=tmp_path, unit_clip=12.0, gamma=CHAIN.gamma, training=TRAINING)
+                                     run_dir=tmp_path, unit_clip=12.0, gamma=CHAIN.gamma, training=public)
     report = ledger.report()
     assert {c.name: c.stages for c in report.cells} == {"estimate": ["dr/estimate"], "model": ["dr/model"]}
     assert report.guarantee[0] <= 1.0 + 1e-9 and result.estimator == "dr"
     assert isinstance(model, DiscreteFQE)
+    assert not any("number of units" in note for note in report.notes)
 
 
 def test_fqe_target_ignores_the_terminal_placeholder():

@@ -18,7 +18,8 @@ of w_e; PDIS / DR / FQE's initial-state value: a_u = sum of the unit's per-episo
 episodes). Each unit's pair is scaled to x_u = (a_u / value_scale, b_u) * min(1, C / ||(a_u / value_scale, b_u)||)
 / C: its L2 norm is <= 1 whatever the data, and scaling both coordinates by one factor keeps the unit's own ratio
 (a clipped unit is down-weighted, not distorted). Removing a unit removes one x_u: no other unit's contribution
-changes, and nothing divides by the number of units, so that number stays private. The released vector is
+changes, and nothing divides by the number of units, so that number stays private (DP-FQE's DP-SGD divides by
+sample_rate x units unless ``FQETraining.expected_units`` gives a public constant; the ledger records which). The released vector is
 z = sum_u (x_u1, x_u2, x_u1^2, sqrt(2) x_u1 x_u2, x_u2^2) + N(0, (sigma sqrt 2)^2 I): ||z_u||^2 =
 |x_u|^2 + |x_u|^4 <= 2, so one Gaussian mechanism with L2 sensitivity sqrt 2 and noise multiplier sigma, recorded as
 ``PoissonGaussianEvent(sigma, 1)`` and calibrated to the stage's budget by PLD. ``value_scale`` and ``C``
@@ -301,6 +302,10 @@ class FQETraining:
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = 0.5
     train_fraction: float = 0.8  # of each fold's epsilon; the rest releases the initial-state value
+    # DP-SGD divides the noisy sum of clipped unit gradients by the expected batch. None: sample_rate x the units in
+    # the data, which makes that count part of the mechanism (dporl's usual premise: it is public; recorded in the
+    # ledger). A public constant here keeps the number of units private.
+    expected_units: Optional[float] = None
     fqe: FQEConfig = field(default_factory=FQEConfig)
 
     def __post_init__(self) -> None:
@@ -310,6 +315,22 @@ class FQETraining:
         check_positive("fqe.max_grad_norm", self.max_grad_norm)
         check_positive("fqe.lr", self.lr)
         check_probability("fqe.train_fraction", self.train_fraction, allow_zero=False, allow_one=False)
+        if self.expected_units is not None:
+            check_positive("fqe.expected_units", self.expected_units)
+
+
+class _PublicNormaliser:
+    """A batch source whose DP-SGD normaliser is a public constant instead of sample_rate x (number of units)."""
+
+    def __init__(self, source: PoissonUnitSource, expected_units: float):
+        self.source, self.expected_batch_size = source, float(expected_units)
+        self.unit = source.unit
+
+    def sample(self, generator: torch.Generator):
+        return self.source.sample(generator)
+
+    def step_event(self, noise_multiplier: float):
+        return self.source.step_event(noise_multiplier)
 
 
 def fit_dp_fqe(
@@ -332,6 +353,12 @@ def fit_dp_fqe(
     t["next_pi"] = action_probabilities(policy, t["next_obs"], dataset.metadata.n_actions).float()
     source = PoissonUnitSource.from_dataset(dataset, {k: t[k] for k in FQE_KEYS}, training.sample_rate,
                                             training.rows_per_unit)
+    if training.expected_units is None:
+        ledger.assume(
+            "DP-FQE normalises DP-SGD by sample_rate x the number of units it trains on: that number is public"
+        )
+    else:
+        source = _PublicNormaliser(source, training.expected_units)
     algorithm = DiscreteFQE(dataset.metadata.obs_shape[0], dataset.metadata.n_actions, training.fqe,
                             dataset_unit(dataset))
     _open_stage(ledger, stage, (epsilon, delta), dataset, cells, mechanism="rdp")
