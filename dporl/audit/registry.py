@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, gpope_paper_audit, mixture_audit
 from dporl.audit.experiment import Experiment
 from dporl.audit.functional_audits import functional_noise_audit
+from dporl.audit.ope_audits import private_ope_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
 from dporl.audit.stable_prefix_audit import stable_prefix_audit
@@ -41,6 +42,7 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "stable_prefix": stable_prefix_audit,
     "stable_prefix_logged": _stable_prefix_logged,
     "functional_noise": functional_noise_audit,
+    "private_ope": private_ope_audit,
 }
 
 # Settings that break each mechanism on purpose (the power check): the audit must then exceed the claim.
@@ -60,6 +62,7 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "stable_prefix": {"threshold_factor": 0.0, "noise_factor": 1e-3},
     "stable_prefix_logged": {"threshold_factor": 0.0, "noise_factor": 1e-3},
     "functional_noise": {"noise_factor": 0.1},
+    "private_ope": {"noise_factor": 0.1},
 }
 
 

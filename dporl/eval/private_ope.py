@@ -145,6 +145,12 @@ def unit_pairs(a_units: torch.Tensor, b_units: torch.Tensor, value_scale: float,
     return pairs * (factor / unit_clip).unsqueeze(1)
 
 
+def moment_rows(pairs: torch.Tensor) -> torch.Tensor:
+    """Every unit's (x, y, x^2, sqrt 2 x y, y^2) [n_units, 5]: norm^2 = |p|^2 + |p|^4 <= 2 for pairs in the unit ball."""
+    x, y = pairs[:, 0], pairs[:, 1]
+    return torch.stack([x, y, x * x, _SQRT2 * x * y, y * y], dim=1)
+
+
 def release_ratio(
     pairs: torch.Tensor,
     *,
@@ -162,13 +168,7 @@ def release_ratio(
     s = ledger.stages[stage]
     sigma = gaussian_noise_multiplier(*s.budget)
     ledger.record(stage, PoissonGaussianEvent(sigma, 1.0))  # paid before anything is computed from the data
-    x, y = pairs[:, 0], pairs[:, 1]
-    if moments:
-        rows = torch.stack([x, y, x * x, _SQRT2 * x * y, y * y], dim=1)  # norms <= sqrt 2
-        sensitivity = _SQRT2
-    else:
-        rows = pairs
-        sensitivity = 1.0
+    rows, sensitivity = (moment_rows(pairs), _SQRT2) if moments else (pairs, 1.0)
     std = sigma * sensitivity
     sums = rows.sum(dim=0) + noise.gaussian(rows.shape[1], std, dtype=torch.float64)
     out = {"A": float(sums[0]), "B": float(sums[1]), "noise_std": std, "noise_multiplier": sigma}
