@@ -181,6 +181,8 @@ def _edit(column, values):
     (_base(), {"observations": ["x", "heart_rate"]}, "heart_rate", "no such column"),
     (_base(), {"reward": "outcome"}, "outcome", "no such column"),
     (_edit("x", [0.1, np.nan, 0.3, 0.4, 0.5]), {}, "x", "NaN/inf"),
+    (_edit("ep", [1.0, 1.0, np.nan, 2.0, 2.0]), {}, "ep", "NaN/inf"),
+    (_edit("u", [1.0, 1.0, 1.0, np.nan, np.nan]), {}, "u", "NaN/inf"),
     (_edit("r", [0.0, np.inf, 0, 1, 0]), {}, "r", "NaN/inf"),
     (_edit("a", [0, 1.5, 0, 1, 1]), {}, "a", "expected integers"),
     (_edit("a", [0, 1, -1, 1, 1]), {}, "a", ">= 0"),

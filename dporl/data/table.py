@@ -254,6 +254,9 @@ def read_table(
     # Episodes: rows of one episode keep their table order (a stable sort by first appearance if interleaved).
     # A numeric id column that never decreases needs no factorisation: its changes are the boundaries.
     ids = table[episode]
+    for name in (episode, unit):
+        if table[name].dtype.kind == "f":
+            _numeric(name, table[name])  # a NaN id would silently start an episode (or a unit) of its own
     order = None
     if ids.dtype.kind in "iuf" and not np.any(ids[1:] < ids[:-1]):
         episode_codes = ids
