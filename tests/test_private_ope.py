@@ -224,3 +224,18 @@ def test_fqe_target_ignores_the_terminal_placeholder():
         data["next_obs"][data["terminated"]] = value
         losses.append(fqe.row_losses(Batch(data, torch.zeros(len(data["obs"]), dtype=torch.long), 1, True)))
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def test_dp_fqe_can_use_cells_of_a_partition_that_also_holds_a_training_cell(tmp_path):
+    from dporl.privacy.partition import UnitPartition
+
+    ledger = PrivacyLedger()
+    ledger.partition(UnitPartition("s", {"train": 0.4, "eval0": 0.2, "eval1": 0.2, "eval2": 0.2}))
+    result = dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(6), run_dir=tmp_path,
+                    unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "eval1", "eval2"])
+    cells = {c.name: c for c in ledger.report().cells}
+    assert cells["train"].stages == [] and len(result.fold_values) == 3
+    assert cells["eval1"].stages == ["eval1/train", "eval1/value"]
+    with pytest.raises(ValidationError, match="unknown cell"):
+        dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(7), run_dir=tmp_path,
+               unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "test"])

@@ -395,18 +395,34 @@ def dp_fqe(
     stage: str = "fqe",
     confidence: float = 0.95,
     value_range: Optional[tuple[float, float]] = None,
+    fold_cells: Optional[Sequence[str]] = None,
 ) -> OPEResult:
     """DP-FQE on K folds of units (parallel composition: the guarantee is one fold's (epsilon, delta)).
 
     Per fold: DP-SGD FQE at (train_fraction epsilon, delta / 2), then the fold's mean initial-state value
     sum_u sum_e V(s0_e) / sum_u n_u released by one Gaussian mechanism at the rest of the budget (delta / 2).
     The interval is Student-t over the K fold values (module docstring).
+
+    The folds are a new keyed-hash partition (``folds``, ``salt``), or, with ``fold_cells``, those cells of the
+    partition the ledger already holds (e.g. cells {"train", "eval0", ..., "eval4"}: a policy trained on "train"
+    and evaluated on the others, all in parallel); ``dataset`` is then the whole dataset.
     """
     from scipy import stats
 
     check_probability("confidence", confidence, allow_zero=False, allow_one=False)
-    partition = ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold"))
-    parts = partition.split(dataset)
+    if fold_cells is None:
+        partition = ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold"))
+        parts = partition.split(dataset)
+    else:
+        if ledger.unit_partition is None:
+            raise ValidationError("fold_cells", "declare the partition on the ledger first")
+        if len(fold_cells) < 2 or len(set(fold_cells)) != len(fold_cells):
+            raise ValidationError("fold_cells", f"need at least two distinct cells, got {fold_cells!r}")
+        every = ledger.unit_partition.split(dataset)
+        unknown = [c for c in fold_cells if c not in every]
+        if unknown:
+            raise ValidationError("fold_cells", f"unknown cell {unknown[0]!r} (cells: {list(every)})")
+        parts = {cell: every[cell] for cell in fold_cells}
     eps_train = epsilon * training.train_fraction
     values, stages = [], []
     for cell, part in parts.items():
