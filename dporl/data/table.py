@@ -172,7 +172,9 @@ def _resolve(table: _Table, spec: Columns, field_name: str) -> list[str]:
 def _numeric(name: str, values: np.ndarray) -> np.ndarray:
     if values.dtype.kind not in "iufb":
         raise ValidationError(name, f"expected numbers, got {values.dtype} values (e.g. {values[:1].tolist()})")
-    if values.dtype.kind == "f":
+    # A sum is NaN/inf when any term is (or on overflow, which the exact check below then clears): one pass,
+    # no temporary array for the common case of clean data.
+    if values.dtype.kind == "f" and not np.isfinite(np.sum(values, dtype=np.float64)):
         finite = np.isfinite(values)
         if not finite.all():
             bad = np.flatnonzero(~finite)
@@ -282,10 +284,11 @@ def read_table(
     steps = None
     if step is not None:
         steps = _integers(step, column(step))
-        gaps = np.diff(steps)[inside]
-        if np.any(gaps != 1):
-            row = int(np.flatnonzero(inside)[np.flatnonzero(gaps != 1)[0]])
-            kind = "duplicated" if gaps[gaps != 1][0] == 0 else ("unsorted" if gaps[gaps != 1][0] < 0 else "skipped")
+        gaps = np.diff(steps)
+        bad = (gaps != 1) & inside
+        if np.any(bad):
+            row = int(np.flatnonzero(bad)[0])
+            kind = "duplicated" if gaps[row] == 0 else ("unsorted" if gaps[row] < 0 else "skipped")
             raise ValidationError(
                 step, f"{kind} step in episode {column(episode)[row]!r}: step {steps[row]} is followed by "
                 f"{steps[row + 1]} (steps of an episode must be consecutive integers in row order)"
@@ -396,11 +399,16 @@ def read_table(
     full = ~drop
     shift = np.cumsum(full) - full  # extra states inserted before episode e
     n_obs = n_rows + int(full.sum())
-    obs_index = np.arange(n_rows, dtype=np.int64) + np.repeat(shift, lengths)
-    obs = np.zeros((n_obs, len(obs_columns)), dtype=np.float32)
-    for j, values in enumerate(obs_columns):
-        obs[obs_index, j] = values
     extra_index = lasts[full] + 1 + shift[full]
+    is_row = np.ones(n_obs, dtype=bool)
+    is_row[extra_index] = False
+    # Column by column into a column-major block (contiguous 1-D masked writes), then one transpose copy: about
+    # twice as fast as scattering rows of a row-major array.
+    by_column = np.zeros((len(obs_columns), n_obs), dtype=np.float32)
+    for j, values in enumerate(obs_columns):
+        by_column[j][is_row] = values
+    obs = np.ascontiguousarray(by_column.T)
+    del by_column
     if final_next is not None:
         obs[extra_index] = np.where(ends_terminated[full, None], 0.0, final_next[full])
     # else: zeros already (terminal placeholders)
