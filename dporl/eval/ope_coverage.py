@@ -47,19 +47,20 @@ class TreatmentChain:
         for name in ("p_wait", "p_treat", "hazard", "gamma"):
             check_probability(f"chain.{name}", getattr(self, name))
 
-    def true_value(self, treat_probability: float) -> float:
-        """E[sum_{t < horizon} gamma^t r_t] from state 0 under "treat with this probability" (backward induction)."""
+    def true_value(self, treat_probability) -> float:
+        """E[sum_{t < horizon} gamma^t r_t] from state 0 under "treat with this probability" (a number, or one per
+        state), by backward induction."""
         S = self.n_states
+        p = np.broadcast_to(np.asarray(treat_probability, dtype=np.float64), (S,))[: S - 1]
         value = np.zeros(S)  # value with k steps to go, k = 0
-        advance = (1 - treat_probability) * self.p_wait + treat_probability * self.p_treat
+        reach = (1 - p) * self.p_wait + p * self.p_treat  # reaching the next state (the last one pays 1 and ends)
+        s = np.arange(S - 1)
         for _ in range(self.horizon):
             new = np.zeros(S)
-            s = np.arange(S - 1)
-            reach = advance  # reaching the next state (ends with reward 1 if it is the last one)
             next_value = np.where(s + 1 == S - 1, 1.0, self.gamma * (1 - self.hazard) * value[np.minimum(s + 1, S - 1)])
             stay_value = self.gamma * (1 - self.hazard) * value[s]
             # The hazard ends an episode after the step's reward; reaching S-1 pays 1 and ends it regardless.
-            new[s] = -self.treat_cost * treat_probability + reach * next_value + (1 - reach) * stay_value
+            new[s] = -self.treat_cost * p + reach * next_value + (1 - reach) * stay_value
             value = new
         return float(value[0])
 
