@@ -248,3 +248,30 @@ def test_metadata_refuses_inconsistent_unit_keys():
     assert info.value.field == "metadata.unit_keys"
     with pytest.raises(ValidationError, match="distinct"):
         DatasetMetadata("T-v0", 2, 2, (1,), unit_column="u", unit_keys=("a", "a"))
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 64])
+def test_blockwise_passes_match_one_block(monkeypatch, block):
+    """The importer's blockwise passes (observation interleaving, step and unit checks) agree with one big block,
+    including blocks that end inside an episode or on an inserted final state."""
+    import dporl.data.table as table_module
+
+    frame = logged_frame(seed=8, n_units=5, episodes_per_unit=4)
+    sizes = frame.groupby("episode", sort=False)["step"].transform("size")
+    frame = frame[~(frame["truncated"] & (sizes == 1))].reset_index(drop=True)  # no episode without a usable step
+    assert frame["truncated"].any() and frame["terminated"].any()
+    reference = read_table(frame, **COLUMNS, terminated="terminated")  # truncated last steps dropped: mixed layout
+    monkeypatch.setattr(table_module, "_BLOCK", block)
+    assert_same_dataset(read_table(frame, **COLUMNS, terminated="terminated"), reference)
+    bad = frame.copy()
+    bad.loc[len(bad) - 2, "step"] = bad.loc[len(bad) - 3, "step"]  # a duplicated step near the end
+    assert bad.loc[len(bad) - 2, "episode"] == bad.loc[len(bad) - 3, "episode"]  # inside one episode
+    with pytest.raises(ValidationError, match="duplicated"):
+        read_table(bad, **COLUMNS, terminated="terminated")
+    split = frame.copy()
+    last_episode = split["episode"].iloc[-1]
+    rows = np.flatnonzero(split["episode"] == last_episode)
+    split.loc[rows[-1], "unit"] = "someone-else"
+    assert len(rows) > 1
+    with pytest.raises(ValidationError, match="split across units"):
+        read_table(split, **COLUMNS, terminated="terminated")
