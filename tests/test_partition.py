@@ -13,7 +13,7 @@ from dporl.privacy.events import ApproxDPEvent, PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition, fold_partition
 from dporl.privacy.units import EXPERT, dataset_unit
-from dporl.utils.validation import ValidationError
+from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 from test_dataset import make_dataset
 
@@ -145,3 +145,37 @@ def test_state_dict_round_trip_keeps_partition_and_cells():
     restored.load_state_dict(ledger.state_dict())
     assert restored.report().to_dict() == ledger.report().to_dict()
     assert restored.report().guarantee[0] == pytest.approx(0.6)
+
+
+def test_a_run_budget_is_checked_cell_by_cell():
+    ledger = PrivacyLedger(budget=(1.0, 1e-5))
+    ledger.partition(SPLIT)
+    ledger.stage("fit", budget=(1.0, 5e-6), unit="expert", mechanism="pld", cells=["heldout"])
+    ledger.stage("estimate", budget=(1.0, 5e-6), unit="expert", mechanism="pld", cells=["train"])  # disjoint: fits
+    with pytest.raises(PrivacyBudgetError, match="in cell 'train'"):
+        ledger.stage("more", budget=(0.1, 1e-6), unit="expert", mechanism="pld", cells=["train"])
+    with pytest.raises(PrivacyBudgetError, match="in cell"):
+        ledger.stage("everyone", budget=(0.1, 1e-6), unit="expert", mechanism="pld")
+    ledger.record("fit", ApproxDPEvent(0.9, 0.0))
+    ledger.record("estimate", ApproxDPEvent(1.0, 0.0))
+    assert ledger.report().guarantee[0] == pytest.approx(1.0, rel=1e-4)  # within the run budget: parallel, not 1.9
+
+
+def test_the_journal_carries_partition_cells_and_assumptions():
+    written = []
+    ledger = PrivacyLedger()
+    ledger.attach_journal(written.append)
+    ledger.partition(SPLIT)
+    assert written[-1]["partition"] == SPLIT.to_dict()  # durable before a stage can name a cell
+    ledger.stage("fit", budget=(1.0, 1e-6), unit="expert", mechanism="pld", cells=["heldout"])
+    ledger.assume("the number of units is public")
+    ledger.record("fit", ApproxDPEvent(0.5, 0.0))
+    state = written[-1]
+    assert state["stages"][0]["cells"] == ["heldout"] and state["assumptions"] == ["the number of units is public"]
+    recovered = PrivacyLedger()
+    recovered.attach_journal(lambda s: None, recovered=state)
+    assert recovered.report().to_dict() == ledger.report().to_dict()
+    other = PrivacyLedger()
+    other.partition(UnitPartition("another-salt", {"train": 0.5, "heldout": 0.5}))
+    with pytest.raises(ValidationError, match="different partition"):
+        other.attach_journal(lambda s: None, recovered=state)

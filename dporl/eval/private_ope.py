@@ -362,7 +362,6 @@ def fit_dp_fqe(
     algorithm = DiscreteFQE(dataset.metadata.obs_shape[0], dataset.metadata.n_actions, training.fqe,
                             dataset_unit(dataset))
     _open_stage(ledger, stage, (epsilon, delta), dataset, cells, mechanism="rdp")
-    seed = root.integer(f"{stage}/trainer") if root.reproducible else None
     steps = training.steps
     Trainer(
         algorithm, source,
@@ -370,9 +369,9 @@ def fit_dp_fqe(
                              checkpoint_every=steps, curator_diagnostics=False,
                              optimizer=OptimizerConfig(name=training.optimizer, lr=training.lr)),
         dp=DPConfig(epsilon=epsilon, delta=delta, max_grad_norm=training.max_grad_norm, accountant="rdp",
-                    noise_multiplier=_dpsgd_noise_multiplier(epsilon, delta, steps, training.sample_rate),
-                    noise_seed=seed),
+                    noise_multiplier=_dpsgd_noise_multiplier(epsilon, delta, steps, training.sample_rate)),
         ledger=ledger, run_dir=run_dir, pipeline="dp_fqe", pipeline_config={"stage": stage}, stage=stage,
+        secret_root=root,  # streams "<stage>/sampler" and "<stage>/noise" of the run's root
     ).fit()
     algorithm.eval()
     return algorithm

@@ -138,6 +138,7 @@ class Trainer:
     ):
         if not hasattr(algorithm, "row_losses") and not hasattr(algorithm, "unit_directions"):
             raise ValidationError("algorithm", "needs row_losses(batch) or unit_directions(batch)")
+        _check_same_unit(algorithm, source)  # before anything is written
         self.algorithm = algorithm
         self.source = source
         self.config = config
@@ -181,19 +182,12 @@ class Trainer:
         return plan_privacy(self.dp, self.config.max_steps, self.source.step_event)
 
     def _open_stage(self) -> None:
-        """The private stage of this run, in the ledger: budget, analysis and the privacy unit, which the source's
-        grouping owns (an algorithm declaring another unit is refused)."""
+        """The private stage of this run, in the ledger: budget, analysis and the privacy unit (the source's grouping
+        owns it: an algorithm declaring another unit was refused at construction, ``_check_same_unit``)."""
         unit = getattr(self.algorithm, "privacy_unit", None)
         if unit is None:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
         unit = as_unit(unit)
-        grouped = getattr(self.source, "unit", None)
-        if grouped is not None and as_unit(grouped) != unit:
-            raise ValidationError(
-                "algorithm.privacy_unit",
-                f"the algorithm declares unit {unit} ({unit.meaning}) but the batch source groups rows by "
-                f"{grouped} ({grouped.meaning}); build the algorithm with the data's unit",
-            )
         budget = (self.dp.epsilon, self.dp.delta)
         if self.stage not in self.ledger.stages:
             self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit)
@@ -452,6 +446,20 @@ class Trainer:
                                         for s, m in state["eval_history"]]
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValidationError("checkpoint.eval_history", f"malformed: {exc}") from None
+
+
+def _check_same_unit(algorithm: nn.Module, source: Any) -> None:
+    """The source's grouping owns the privacy unit: an algorithm declaring another one is refused."""
+    declared, grouped = getattr(algorithm, "privacy_unit", None), getattr(source, "unit", None)
+    if declared is None or grouped is None:
+        return
+    declared, grouped = as_unit(declared), as_unit(grouped)
+    if declared != grouped:
+        raise ValidationError(
+            "algorithm.privacy_unit",
+            f"the algorithm declares unit {declared} ({declared.meaning}) but the batch source groups rows by "
+            f"{grouped} ({grouped.meaning}); build the algorithm with the data's unit",
+        )
 
 
 def _progress(total: int, initial: int, enabled: bool):
