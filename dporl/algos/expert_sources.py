@@ -9,7 +9,9 @@
   dataset, ``mixed`` the Algorithm-3 mixture of both (D_unstable is the whole logged dataset: the sound release
   never reads it).
 
-Batches carry only the columns CQL reads (``CQL_KEYS``): never expert ids or behaviour probabilities.
+Batches carry only the columns CQL reads (``CQL_KEYS``): never expert ids or behaviour probabilities. The expert
+source groups rows by the dataset's unit and names it (``dataset_unit``): the expert for logged expert data, the
+user's column for an imported table.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from dporl.data.dataset import TrajectoryDataset
 from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
+from dporl.privacy.units import dataset_unit
 from dporl.utils.validation import ValidationError
 
 Method = Literal["non_private", "dp_sgd", "stable_only", "mixed"]
@@ -40,7 +43,9 @@ def expert_source(
     if batch_size > n_experts:
         raise ValidationError("batch_size", f"expected batch {batch_size} exceeds the {n_experts} experts")
     columns, experts = cql_columns(dataset)
-    return PoissonUnitSource(columns, experts, n_experts, batch_size / n_experts, rows_per_expert)
+    return PoissonUnitSource(
+        columns, experts, n_experts, batch_size / n_experts, rows_per_expert, unit=dataset_unit(dataset)
+    )
 
 
 def stable_source(dataset: TrajectoryDataset, batch_size: float, what: str = "D_stable") -> UniformBatchSource:

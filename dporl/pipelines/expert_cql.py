@@ -54,6 +54,7 @@ from dporl.privacy.accountants import paper_mixture_epsilon
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.samplers import MixtureSource
+from dporl.privacy.units import dataset_unit
 from dporl.train.config import DPConfig, TrainerConfig
 from dporl.train.export import save_policy
 from dporl.train.run_dir import RunDirectory, RunMode
@@ -303,7 +304,7 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
         return run.read_summary()
     sigma = _preflight(config, dataset, experts, budgets)
     with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
-        algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit="expert")
+        algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit=dataset_unit(dataset))
     evaluate, env = returns_evaluator(config.eval, meta.env_id)
     try:
         run.begin()
