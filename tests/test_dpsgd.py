@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -199,3 +202,71 @@ def test_contiguous_blocks_with_empty_units_match_reference(mode):
     engine.private_backward(model.row_losses(*batch), unit_index, 7)
     for w, p in zip(want, [p for p in model.parameters() if p.requires_grad]):
         torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- engine hygiene
+def _forward_hooks(module):
+    return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in module.modules())
+
+
+def _dp_step(engine, model, x):
+    out = model(x)  # the last Linear's output: what a tape records
+    engine.private_backward(out.pow(2).sum(1), torch.arange(len(x)), len(x))
+    return weakref.ref(out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_removes_every_hook_and_a_new_engine_works(mode):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    before = _forward_hooks(model)
+    for _ in range(5):  # repeated engines on one module, each closed by its context manager
+        with DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4.0,
+                         noise=NoiseSource(0), mode=mode) as engine:
+            assert _forward_hooks(model) > before or mode == "naive"  # naive needs no hooks
+            _dp_step(engine, model, torch.randn(4, 4))
+        assert _forward_hooks(model) == before
+    assert not any(hasattr(p, "grad_sample") for p in model.parameters())  # Opacus' attributes left with it
+    assert not any(hasattr(m, "activations") for m in model.modules())
+    with pytest.raises(ValidationError, match="closed"):
+        engine.private_backward(model(torch.randn(2, 4)).sum(1), torch.arange(2), 2)
+    engine.close()  # idempotent
+
+
+def test_repeated_engines_on_one_module_retain_no_step_graphs():
+    """Issue: a second engine on the same module kept every step's graph (+1 GB per 1000 steps).
+
+    A forgotten engine (never closed, still referenced) must hold at most one step's activations; closed or
+    dropped engines none. Counted as live layer outputs (weak references), which is what held the graphs.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    kwargs = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, noise=NoiseSource(0))
+    forgotten = DPSGDEngine(model, **kwargs)  # noqa: F841  (kept alive on purpose)
+    outputs = []
+    for _ in range(10):  # ten more engines in turn: dropped without close, 3 steps each
+        engine = DPSGDEngine(model, **kwargs)
+        outputs += [_dp_step(engine, model, torch.randn(8, 4)) for _ in range(3)]
+    del engine
+    gc.collect()
+    live = sum(ref() is not None for ref in outputs)
+    assert live <= 1, f"{live} of {len(outputs)} step graphs are still held"
+    # Dropped engines removed their hooks: only the forgotten engine's remain (one per Linear).
+    assert _forward_hooks(model) == 2
+    forgotten.close()
+    gc.collect()
+    assert sum(ref() is not None for ref in outputs) == 0 and _forward_hooks(model) == 0
+
+
+def test_trusted_layout_skips_no_check_it_can_do_on_the_host():
+    """A library sampler's layout is trusted for the ids, but block sizes are checked (Python ints, no sync)."""
+    from dporl.privacy.samplers import RowLayout
+
+    layer = nn.Linear(3, 1)
+    engine = DPSGDEngine(layer, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0,
+                         noise=NoiseSource(0))
+    with pytest.raises(ValidationError) as info:
+        engine.private_backward(layer(torch.randn(5, 3)).squeeze(1), torch.arange(5) // 2, 3, layout=RowLayout(2))
+    assert info.value.field == "layout"
+    with pytest.raises(ValidationError) as info:
+        engine.private_backward(layer(torch.randn(4, 3)).squeeze(1), torch.arange(4), 3, layout=RowLayout(1))
+    assert info.value.field == "layout"  # 4 one-row units cannot come from 3 sampled units

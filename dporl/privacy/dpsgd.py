@@ -10,15 +10,28 @@ Clipping modes (all give the same update up to float error; ``benchmarks/bench_d
 - ``bookkeeping`` (default): forward hooks keep each trainable ``nn.Linear``'s input a; one backward pass yields
   the gradients g of the layer outputs (weight gradients are never formed by autograd). Per-unit norms come from
   a and g (ghost norms: ||g_r||^2 ||a_r||^2 for single-row units, Gram products within a unit otherwise), and
-  the clipped sum is one matmul per layer: (c * G)^T A (Bu et al., "book-keeping" DP).
+  the clipped sum is one matmul per layer: (c * G)^T A (Bu et al., "book-keeping" DP), accumulated in place into
+  the parameter's noise.
 - ``ghost``: the same norms, then a second backward pass of the clip-weighted loss (classic ghost clipping).
 - ``opacus``: Opacus ``GradSampleModule`` per-row gradients, summed per unit (materialises rows x |params|).
 - ``naive``: one autograd pass per unit; the reference the others are tested against.
+
+Cost. A private step should cost what a non-private one does plus the per-unit norms: the engine does not check
+unit ids that a library sampler produced (``samplers.RowLayout`` states what it guarantees; ids from user code are
+checked), draws each parameter's noise straight into its gradient buffer, and turns statistics into numbers only
+when someone reads them (``StepStats``), so an ordinary step never waits for the device.
+
+Hooks. The engine registers forward hooks on the module (its Linear tape, or Opacus' hooks). ``close()`` (or
+``with DPSGDEngine(...) as engine:``) removes them all; an engine dropped without ``close`` removes its tape's hooks
+when it is collected, and a forgotten engine that is still referenced keeps at most one step's activations.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
@@ -26,22 +39,82 @@ import torch
 from torch import nn
 
 from dporl.privacy.noise import NoiseSource
+from dporl.privacy.samplers import RowLayout
 from dporl.utils.validation import ValidationError, check_positive
 
 ClippingMode = Literal["bookkeeping", "ghost", "opacus", "naive"]
+MODES: tuple[str, ...] = ("bookkeeping", "ghost", "opacus", "naive")
 
 
-@dataclass(frozen=True)
 class StepStats:
-    n_units: int
-    clip_fraction: float  # fraction of units whose gradient norm exceeded C
-    mean_norm: float  # mean pre-clip unit gradient norm (nan for an empty batch)
-    max_norm: float
-    noise_std: float  # per-coordinate std of the noise added to the sum
+    """Curator diagnostics of one private step (clip fraction and norms of the sampled units' gradients).
+
+    Holds the units' norms as a tensor and converts them to numbers only when a property is read, so a step whose
+    statistics nobody logs never synchronises with the device. These numbers depend on private data without noise:
+    they belong to the curator, never in a release or a shared log.
+    """
+
+    __slots__ = ("n_units", "noise_std", "_norms", "_max_grad_norm", "_values")
+
+    def __init__(self, n_units: int, norms: Optional[torch.Tensor], max_grad_norm: float, noise_std: float):
+        self.n_units = int(n_units)  # units sampled this step (units owning no rows have norm 0)
+        self.noise_std = float(noise_std)  # per-coordinate std of the noise added to the sum
+        self._norms = None if norms is None else norms.detach()  # norms of the units that own rows
+        self._max_grad_norm = max_grad_norm
+        self._values: Optional[tuple[float, float, float]] = None
+
+    def _compute(self) -> tuple[float, float, float]:
+        if self._values is None:
+            n, norms = self.n_units, self._norms
+            if n == 0:
+                self._values = (0.0, math.nan, math.nan)
+            elif norms is None or norms.numel() == 0:
+                self._values = (0.0, 0.0, 0.0)
+            else:
+                packed = torch.stack(
+                    [(norms > self._max_grad_norm).sum().to(norms.dtype), norms.sum(), norms.max()]
+                ).double().cpu()
+                clipped, total, largest = packed.tolist()
+                self._values = (clipped / n, total / n, max(largest, 0.0))
+        return self._values
+
+    @property
+    def clip_fraction(self) -> float:  # fraction of units whose gradient norm exceeded C
+        return self._compute()[0]
+
+    @property
+    def mean_norm(self) -> float:  # mean pre-clip unit gradient norm (nan for an empty batch)
+        return self._compute()[1]
+
+    @property
+    def max_norm(self) -> float:
+        return self._compute()[2]
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "units": float(self.n_units),
+            "clip_fraction": self.clip_fraction,
+            "grad_norm": self.mean_norm,
+            "max_grad_norm": self.max_norm,
+        }
+
+    def __repr__(self) -> str:
+        return f"StepStats(n_units={self.n_units}, noise_std={self.noise_std:g})"
+
+
+def _record(tape_ref: "weakref.ref[_LinearTape]", layer: nn.Module, inputs, output) -> None:
+    tape = tape_ref()
+    if tape is not None and torch.is_grad_enabled() and output.requires_grad:
+        tape.add(layer, inputs[0].detach(), output)
 
 
 class _LinearTape:
-    """Records the input and output of every grad-enabled call of the trainable Linear layers of a module."""
+    """Records the input and output of every grad-enabled call of the trainable Linear layers of a module.
+
+    The hooks hold the tape weakly: a tape that is collected removes its hooks (``weakref.finalize``). A layer
+    called more than once keeps only its latest call (and the count, which ``take`` refuses), so a tape that is
+    never taken holds one step's activations at most.
+    """
 
     def __init__(self, module: nn.Module):
         self.layers = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
@@ -51,45 +124,59 @@ class _LinearTape:
             raise ValidationError(
                 "dp.clipping", f"bookkeeping/ghost clipping supports nn.Linear only; {stray} is not (use 'opacus')"
             )
-        self.records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
+        self.records: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id(layer) -> (calls, input, output)
+        hook = functools.partial(_record, weakref.ref(self))
+        self.handles = [layer.register_forward_hook(hook) for layer in self.layers]
+        self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
 
-    def _hook(self, layer: nn.Module, inputs, output) -> None:
-        if torch.is_grad_enabled() and output.requires_grad:
-            self.records.setdefault(id(layer), []).append((inputs[0].detach(), output))
+    def add(self, layer: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
+        calls = self.records.get(id(layer), (0,))[0]
+        self.records[id(layer)] = (calls + 1, a, output)
 
     def take(self) -> list[tuple[nn.Linear, Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """(layer, input a, output) per layer since the last take; a layer never called yields (layer, None, None)."""
+        records, self.records = self.records, {}
         taken = []
         for layer in self.layers:
-            calls = self.records.get(id(layer), [])
-            if len(calls) > 1:
-                self.records.clear()
+            record = records.get(id(layer))
+            if record is None:
+                taken.append((layer, None, None))
+                continue
+            if record[0] > 1:
                 raise ValidationError(
                     "dp.clipping",
-                    f"layer {layer} ran {len(calls)} times with gradients in one step; per-unit norms need one "
+                    f"layer {layer} ran {record[0]} times with gradients in one step; per-unit norms need one "
                     "call per layer (compute targets under torch.no_grad, or use clipping='opacus')",
                 )
-            taken.append((layer, *calls[0]) if calls else (layer, None, None))
-        self.records.clear()
+            taken.append((layer, record[1], record[2]))
         return taken
 
     def discard(self) -> None:
-        self.records.clear()
+        self.records = {}
+
+    def close(self) -> None:
+        self.records = {}
+        self._finalizer()  # removes the hooks once; later calls do nothing
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 @dataclass(frozen=True)
 class _UnitLayout:
-    """How rows map onto units: ``kmax`` rows at most per unit, and a cheap path when rows come in blocks.
+    """How rows map onto groups, one group per unit that owns rows.
 
-    Samplers emit the rows of a unit contiguously and, with ``rows_per_unit`` set, in equal blocks; then a
-    reshape groups them. Otherwise rows are scattered into a zero-padded [n_units, kmax, ...] tensor.
+    ``kmax`` rows at most per group. With ``block`` set, groups are contiguous blocks of ``kmax`` rows, so a
+    reshape forms them (the layout of a library sampler's batch). Otherwise rows are scattered into a zero-padded
+    [n_units, kmax, ...] tensor, one group per unit (units owning no rows give empty groups of norm 0).
     """
 
-    unit_index: torch.Tensor
     n_units: int
     kmax: int
-    block_units: Optional[torch.Tensor]  # unit of each contiguous block of kmax rows, when that layout holds
+    block: bool
+    row_unit: Optional[torch.Tensor] = None  # unit of each row (scatter layout)
     order: Optional[torch.Tensor] = None
     slot: Optional[torch.Tensor] = None
 
@@ -98,38 +185,38 @@ class _UnitLayout:
         n_units = len(counts)
         kmax = int(counts.max()) if n_units else 0
         if kmax <= 1:
-            return _UnitLayout(unit_index, n_units, kmax, unit_index)
+            return _UnitLayout(n_units, kmax, True)
         present = counts[counts > 0]
         blocks = unit_index[::kmax]
         if bool((present == kmax).all()) and torch.equal(unit_index, blocks.repeat_interleave(kmax)):
-            return _UnitLayout(unit_index, n_units, kmax, blocks)
+            return _UnitLayout(n_units, kmax, True)
         order = torch.argsort(unit_index, stable=True)
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(len(order), device=unit_index.device) - starts[unit_index[order]]
-        return _UnitLayout(unit_index, n_units, kmax, None, order, slot)
+        return _UnitLayout(n_units, kmax, False, unit_index, order, slot)
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows [R, (T,) d] -> [groups, kmax * T, d]; groups are blocks (see ``to_units``) or all units."""
+        """Rows [R, (T,) d] -> [groups, kmax * T, d]."""
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         steps, width = x.shape[1], x.shape[2]
-        if self.block_units is not None:
+        if self.block:
             return x.reshape(-1, max(self.kmax, 1) * steps, width)
         out = x.new_zeros(self.n_units, self.kmax, steps, width)
-        out[self.unit_index[self.order], self.slot] = x[self.order]
+        out[self.row_unit[self.order], self.slot] = x[self.order]
         return out.reshape(self.n_units, self.kmax * steps, width)
 
-    def to_units(self, per_group: torch.Tensor) -> torch.Tensor:
-        if self.block_units is None:
-            return per_group
-        return per_group.new_zeros(self.n_units).index_add_(0, self.block_units, per_group)
+    def row_values(self, per_group: torch.Tensor) -> torch.Tensor:
+        """A value per group -> the value of each row's group."""
+        if not self.block:
+            return per_group[self.row_unit]
+        return per_group if self.kmax <= 1 else per_group.repeat_interleave(self.kmax)
 
 
 def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_bias: bool) -> torch.Tensor:
-    """Squared norms [n_units] of each unit's gradient of one Linear layer, from inputs a and output grads g."""
-    if layout.kmax <= 1 and a.dim() == 2:
+    """Squared norms [groups] of each group's gradient of one Linear layer, from inputs a and output grads g."""
+    if layout.block and layout.kmax <= 1 and a.dim() == 2:
         g_sq = (g * g).sum(1)
-        sq = g_sq * (a * a).sum(1) + (g_sq if has_bias else 0.0)
-        return layout.to_units(sq)
+        return torch.addcmul(g_sq, g_sq, (a * a).sum(1)) if has_bias else g_sq * (a * a).sum(1)
     pa, pg = layout.group(a), layout.group(g)
     k, d_in, d_out = pa.shape[1], pa.shape[2], pg.shape[2]
     if k * (d_in + d_out) < d_in * d_out:  # Gram products are cheaper than forming the unit gradients
@@ -138,7 +225,7 @@ def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_b
         sq = torch.einsum("uko,uki->uoi", pg, pa).pow(2).sum((1, 2))
     if has_bias:
         sq = sq + pg.sum(1).pow(2).sum(1)
-    return layout.to_units(sq)
+    return sq
 
 
 def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
@@ -151,7 +238,10 @@ def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> 
 
 
 class DPSGDEngine:
-    """Writes privatised gradients into ``module``'s trainable parameters; the optimizer step stays the caller's."""
+    """Writes privatised gradients into ``module``'s trainable parameters; the optimizer step stays the caller's.
+
+    Use it as a context manager (or call ``close()``) so that its hooks leave the module with it.
+    """
 
     def __init__(
         self,
@@ -167,7 +257,7 @@ class DPSGDEngine:
         # sigma = 0 is for tests only: events refuse it, so an accounted run can never pair with it.
         self.noise_multiplier = check_positive("dp.noise_multiplier", noise_multiplier, allow_zero=True)
         self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)
-        if mode not in ("bookkeeping", "ghost", "opacus", "naive"):
+        if mode not in MODES:
             raise ValidationError("dp.clipping", f"unknown mode {mode!r}")
         self.module = module
         self.noise = noise
@@ -183,44 +273,103 @@ class DPSGDEngine:
             # Hooks are attached in place; the algorithm keeps calling its own submodules.
             self._grad_sample_module = GradSampleModule(module, batch_first=True, loss_reduction="sum", force_functorch=False)
         self.last_stats: Optional[StepStats] = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Remove every hook this engine put on the module and what they recorded; idempotent."""
+        if self._tape is not None:
+            self._tape.close()
+        if self._grad_sample_module is not None:
+            self._grad_sample_module._close()  # removes Opacus' hooks and its attributes on the parameters
+            for submodule in self.module.modules():
+                if hasattr(submodule, "activations"):
+                    del submodule.activations
+            self._grad_sample_module = None
+        self.closed = True
+
+    def __enter__(self) -> "DPSGDEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValidationError("engine", "this DPSGDEngine was closed; create a new one")
 
     # ------------------------------------------------------------------ public API
     @property
     def noise_std(self) -> float:
         return self.noise_multiplier * self.max_grad_norm
 
-    def private_backward(self, row_losses: torch.Tensor, unit_index: torch.Tensor, n_units: int) -> StepStats:
-        """Per-unit clipped, noised, averaged gradient of ``row_losses`` into ``.grad`` of the trainable parameters."""
-        unit_index = unit_index.to(row_losses.device).long()
+    def private_backward(
+        self,
+        row_losses: torch.Tensor,
+        unit_index: torch.Tensor,
+        n_units: int,
+        *,
+        layout: Optional[RowLayout] = None,
+    ) -> StepStats:
+        """Per-unit clipped, noised, averaged gradient of ``row_losses`` into ``.grad`` of the trainable parameters.
+
+        ``layout``: what a library sampler guarantees about ``unit_index`` (``Batch.layout``); with it the ids are
+        not checked again. Without it they are checked (one device synchronisation).
+        """
+        self._check_open()
         if row_losses.dim() != 1 or unit_index.shape != row_losses.shape:
             raise ValidationError("row_losses", f"expected [n_rows] matching unit_index, got {tuple(row_losses.shape)}")
-        if n_units < 0 or (len(unit_index) and (unit_index.min() < 0 or unit_index.max() >= n_units)):
-            raise ValidationError("unit_index", f"unit ids must lie in [0, {n_units})")
+        if n_units < 0:
+            raise ValidationError("unit_index", f"n_units must be >= 0, got {n_units}")
+        if layout is not None and not isinstance(layout, RowLayout):
+            raise ValidationError("layout", f"expected a samplers.RowLayout, got {type(layout).__name__}")
+        trusted = layout is not None and layout.rows_per_unit is not None
+        if trusted and (len(row_losses) % layout.rows_per_unit or len(row_losses) > layout.rows_per_unit * n_units):
+            raise ValidationError("layout", f"{len(row_losses)} rows are not blocks of {layout.rows_per_unit} rows")
+        if not trusted and len(unit_index):
+            unit_index = unit_index.to(row_losses.device).long()
+            bounds = torch.stack([unit_index.min(), unit_index.max()]).tolist()
+            if bounds[0] < 0 or bounds[1] >= n_units:
+                raise ValidationError("unit_index", f"unit ids must lie in [0, {n_units})")
         if n_units == 0 or row_losses.numel() == 0:
             if self._tape is not None:
                 self._tape.discard()
             self._clear_grad_samples()
-            sums = [torch.zeros_like(p) for p in self.params]
-            return self._finish(sums, torch.zeros(n_units))
-        counts = torch.bincount(unit_index, minlength=n_units)
-        weights = 1.0 / counts[unit_index].to(row_losses.dtype)  # the unit's loss is the mean over its rows
-        if self.mode == "naive":
-            sums, norms = self._naive(row_losses, unit_index, n_units, weights)
-        elif self.mode == "opacus":
-            sums, norms = self._opacus(row_losses, unit_index, n_units, weights)
+            self._write([None] * len(self.params))
+            self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std)
+            return self.last_stats
+        if self.mode in ("bookkeeping", "ghost"):
+            if trusted:
+                units = _UnitLayout(n_units, layout.rows_per_unit, True)
+                weights = 1.0 / layout.rows_per_unit  # the unit's loss is the mean over its rows
+            else:
+                counts = torch.bincount(unit_index, minlength=n_units)
+                units = _UnitLayout.build(unit_index, counts)
+                weights = 1.0 / counts[unit_index].to(row_losses.dtype)
+            norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost")
         else:
-            sums, norms = self._ghost(row_losses, unit_index, counts, weights, second_pass=self.mode == "ghost")
-        return self._finish(sums, norms)
+            unit_index = unit_index.to(row_losses.device).long()
+            counts = torch.bincount(unit_index, minlength=n_units)
+            weights = 1.0 / counts[unit_index].to(row_losses.dtype)
+            if self.mode == "naive":
+                sums, norms = self._naive(row_losses, unit_index, n_units, weights)
+            else:
+                sums, norms = self._opacus(row_losses, unit_index, n_units, weights)
+            sums = [s.div_(self.expected_batch_size) for s in sums]
+            self._write(sums)
+        self.last_stats = StepStats(n_units, norms, self.max_grad_norm, self.noise_std)
+        return self.last_stats
 
     def private_direction(self, unit_vectors: torch.Tensor) -> torch.Tensor:
         """Clip each row of ``unit_vectors`` [n_units, D], sum, add noise, divide by the expected batch."""
+        self._check_open()
         if unit_vectors.dim() != 2:
             raise ValidationError("unit_vectors", f"expected [n_units, D], got {tuple(unit_vectors.shape)}")
         norms = unit_vectors.norm(dim=1)
         factors = self._clip_factors(norms)
         total = (unit_vectors * factors.unsqueeze(1)).sum(0)
         total = total + self.noise.gaussian(total.shape, self.noise_std, dtype=total.dtype).to(total.device)
-        self.last_stats = self._stats(norms)
+        self.last_stats = StepStats(len(unit_vectors), norms, self.max_grad_norm, self.noise_std)
         return total / self.expected_batch_size
 
     def write_gradients(self, flat: torch.Tensor) -> None:
@@ -228,6 +377,7 @@ class DPSGDEngine:
 
     def public_backward(self, row_losses: torch.Tensor) -> None:
         """An ordinary mean-loss backward, for noiseless steps on public or released-stable data."""
+        self._check_open()
         if self._tape is not None:
             self._tape.discard()
         row_losses.mean().backward()
@@ -235,48 +385,58 @@ class DPSGDEngine:
 
     # ------------------------------------------------------------------ internals
     def _clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        return (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        return (self.max_grad_norm / (norms + 1e-6)).clamp_(max=1.0)
 
-    def _stats(self, norms: torch.Tensor) -> StepStats:
-        n = int(norms.numel())
-        return StepStats(
-            n_units=n,
-            clip_fraction=float((norms > self.max_grad_norm).float().mean()) if n else 0.0,
-            mean_norm=float(norms.mean()) if n else float("nan"),
-            max_norm=float(norms.max()) if n else float("nan"),
-            noise_std=self.noise_std,
-        )
+    def _write(self, sums: Sequence[Optional[torch.Tensor]]) -> None:
+        """p.grad = noise / B + sum for every parameter, the noise drawn into the gradient's own buffer.
 
-    def _finish(self, sums: Sequence[torch.Tensor], norms: torch.Tensor) -> StepStats:
-        flat = torch.cat([s.reshape(-1) for s in sums])
-        flat += self.noise.gaussian(flat.shape, self.noise_std, dtype=flat.dtype).to(flat.device)
-        write_flat_gradients(self.params, flat.div_(self.expected_batch_size))
-        self.last_stats = self._stats(norms.detach().cpu())
-        return self.last_stats
+        ``sums`` are already divided by B (None: nothing but noise). The noise is drawn parameter by parameter in
+        ``self.params`` order, so its stream does not depend on which layers ran.
+        """
+        noise = self.noise.gaussian_like(self.params, self.noise_std / self.expected_batch_size)
+        for p, buffer, total in zip(self.params, noise, sums):
+            if total is not None:
+                buffer.add_(total)
+            p.grad = buffer
 
-    def _ghost(self, row_losses, unit_index, counts, weights, second_pass: bool):
-        n_units = len(counts)
+    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool):
         records = self._tape.take()
         live = [(layer, a, out) for layer, a, out in records if out is not None]
         weighted = (row_losses * weights).sum()
         grads = torch.autograd.grad(weighted, [out for _, _, out in live], retain_graph=second_pass)
-        layout = _UnitLayout.build(unit_index, counts)
-        sq = torch.zeros(n_units, dtype=row_losses.dtype, device=row_losses.device)
+        sq = None
         for (layer, a, _), g in zip(live, grads):
-            sq += _ghost_sq_norms(a, g, layout, layer.bias is not None)
-        norms = sq.sqrt()
-        factors = self._clip_factors(norms).to(row_losses.dtype)
-        row_factor = factors[unit_index]
+            part = _ghost_sq_norms(a, g, units, layer.bias is not None)
+            sq = part if sq is None else sq.add_(part)
+        norms = sq.sqrt_()
+        # Each row's factor: its unit's clip factor, with 1/B (the division by the expected batch) folded in.
+        row_factor = units.row_values(self._clip_factors(norms).to(row_losses.dtype).div_(self.expected_batch_size))
         if second_pass:
             sums = torch.autograd.grad((row_losses * weights * row_factor).sum(), self.params, allow_unused=True)
-            return [torch.zeros_like(p) if s is None else s for p, s in zip(self.params, sums)], norms
-        by_param = {id(p): torch.zeros_like(p) for p in self.params}
+            self._write(list(sums))
+            return norms
+        noise = self.noise.gaussian_like(self.params, self.noise_std / self.expected_batch_size)
+        buffers = {id(p): n for p, n in zip(self.params, noise)}
         for (layer, a, _), g in zip(live, grads):
-            scaled = g * row_factor.view(-1, *([1] * (g.dim() - 1)))
-            by_param[id(layer.weight)] = scaled.reshape(-1, g.shape[-1]).T @ a.reshape(-1, a.shape[-1])
-            if layer.bias is not None:
-                by_param[id(layer.bias)] = scaled.reshape(-1, g.shape[-1]).sum(0)
-        return [by_param[id(p)] for p in self.params], norms
+            g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+            if g2.shape[0] != row_factor.shape[0]:  # rows with a time axis
+                factor = row_factor.repeat_interleave(g2.shape[0] // row_factor.shape[0])
+            else:
+                factor = row_factor
+            weight, bias = buffers[id(layer.weight)], buffers.get(id(layer.bias)) if layer.bias is not None else None
+            # The clipped sum (c * G)^T A, accumulated into the noise; scale the narrower side: = G^T (c * A).
+            if g2.shape[1] <= a2.shape[1]:
+                scaled = g2 * factor.unsqueeze(1)
+                weight.addmm_(scaled.T, a2)
+                if bias is not None:
+                    bias.add_(scaled.sum(0))
+            else:
+                weight.addmm_(g2.T, a2 * factor.unsqueeze(1))
+                if bias is not None:
+                    bias.add_(factor @ g2)
+        for p, buffer in zip(self.params, noise):
+            p.grad = buffer
+        return norms
 
     def _opacus(self, row_losses, unit_index, n_units, weights):
         self._clear_grad_samples()

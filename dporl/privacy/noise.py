@@ -48,6 +48,24 @@ class NoiseSource:
         # Drawn directly in the target precision, as Opacus does: float64 draws cost 5x more per DP-SGD step.
         return torch.randn(shape, generator=self._generator, dtype=dtype).mul_(std)
 
+    def gaussian_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """Fresh N(0, std^2) tensors shaped, typed and placed like ``tensors``, drawn in their order.
+
+        On the CPU each is drawn straight into its own new buffer (no flat vector to concatenate, split or copy);
+        on an accelerator one flat CPU draw is moved once and split into views. A subclass that overrides
+        ``gaussian`` (e.g. exact discrete noise) is always drawn through it.
+        """
+        std = check_positive("noise.std", std, allow_zero=True)
+        if not tensors:
+            return []
+        if type(self).gaussian is NoiseSource.gaussian and all(t.device.type == "cpu" for t in tensors):
+            return [
+                torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=self._generator) for t in tensors
+            ]
+        sizes = [t.numel() for t in tensors]
+        flat = self.gaussian(sum(sizes), std, dtype=tensors[0].dtype).to(tensors[0].device, non_blocking=True)
+        return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split(sizes), tensors)]
+
     def laplace(self, shape: Sequence[int] | int, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         scale = check_positive("noise.scale", scale)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)

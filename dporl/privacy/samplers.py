@@ -21,6 +21,18 @@ from dporl.privacy.units import PrivacyUnit, as_unit, dataset_unit
 from dporl.utils.validation import ValidationError, check_probability
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """What a source of this module guarantees about a batch's ``unit_index``, so the DP-SGD engine need not check
+    it on the device: ids lie in [0, n_units), a unit's rows are contiguous and, with ``rows_per_unit`` set, every
+    unit owning rows has exactly that many (contiguous blocks of equal size).
+
+    Only the sources here attach one (``Batch.layout``); a batch built by user code has none and is checked.
+    """
+
+    rows_per_unit: Optional[int] = None
+
+
 @dataclass
 class Batch:
     """Rows along dim 0 of every tensor in ``data``; ``unit_index[r]`` is the sampled unit that row r belongs to."""
@@ -29,15 +41,19 @@ class Batch:
     unit_index: torch.Tensor  # LongTensor [n_rows], values in [0, n_units)
     n_units: int
     private: bool
+    layout: Optional[RowLayout] = None  # set by the library's sources only (see RowLayout)
 
     @property
     def n_rows(self) -> int:
         return int(self.unit_index.shape[0])
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(
-            {k: v.to(device) for k, v in self.data.items()}, self.unit_index.to(device), self.n_units, self.private
-        )
+        """The batch on ``device`` (the unit ids stay where they are: the engine moves them only if it needs them)."""
+        device = torch.device(device)
+        if all(v.device == device for v in self.data.values()):
+            return self
+        return Batch({k: v.to(device) for k, v in self.data.items()}, self.unit_index, self.n_units, self.private,
+                     self.layout)
 
 
 def _check_rows(data: Mapping[str, torch.Tensor]) -> int:
@@ -50,7 +66,11 @@ def _check_rows(data: Mapping[str, torch.Tensor]) -> int:
 
 
 def _gather(data: Mapping[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {k: v.index_select(0, rows.to(v.device)) for k, v in data.items()}
+    return {k: v.index_select(0, rows.to(v.device, non_blocking=True)) for k, v in data.items()}
+
+
+def _data_to(data: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in data.items()}
 
 
 class _UnitIndex:
@@ -112,6 +132,7 @@ class PoissonUnitSource:
         self.rows_per_unit = rows_per_unit
         self.index = _UnitIndex(unit_of_row, n_units, n_rows)
         self.unit = None if unit is None else as_unit(unit)
+        self.layout = RowLayout(rows_per_unit)
 
     @classmethod
     def from_dataset(
@@ -136,6 +157,11 @@ class PoissonUnitSource:
             )
         return cls(data, unit_of_row, dataset.n_units, sample_rate, rows_per_unit, unit=dataset_unit(dataset))
 
+    def to(self, device: torch.device | str) -> "PoissonUnitSource":
+        """Keep the rows on ``device`` (sampling decisions stay on the CPU, drawn from the secret generator)."""
+        self.data = _data_to(self.data, device)
+        return self
+
     @property
     def n_units(self) -> int:
         return self.index.n_units
@@ -147,7 +173,7 @@ class PoissonUnitSource:
     def sample(self, generator: torch.Generator) -> Batch:
         chosen = torch.nonzero(torch.rand(self.n_units, generator=generator) < self.sample_rate).squeeze(1)
         rows, position = self.index.rows_of(chosen, self.rows_per_unit, generator)
-        return Batch(_gather(self.data, rows), position, int(len(chosen)), private=True)
+        return Batch(_gather(self.data, rows), position, int(len(chosen)), private=True, layout=self.layout)
 
     def step_event(self, noise_multiplier: float) -> PoissonGaussianEvent:
         return PoissonGaussianEvent(noise_multiplier, self.sample_rate)
@@ -177,6 +203,10 @@ class FixedSizeSource:
         self.index = _UnitIndex(unit_of_row, n_units, n_rows)
         self.unit = None if unit is None else as_unit(unit)
 
+    def to(self, device: torch.device | str) -> "FixedSizeSource":
+        self.data = _data_to(self.data, device)
+        return self
+
     @property
     def n_units(self) -> int:
         return self.index.n_units
@@ -188,7 +218,7 @@ class FixedSizeSource:
     def sample(self, generator: torch.Generator) -> Batch:
         chosen = torch.randperm(self.n_units, generator=generator)[: self.sample_size]
         rows, position = self.index.rows_of(chosen, None, generator)
-        return Batch(_gather(self.data, rows), position, self.sample_size, private=True)
+        return Batch(_gather(self.data, rows), position, self.sample_size, private=True, layout=RowLayout())
 
     def step_event(self, noise_multiplier: float) -> SampledWithoutReplacementGaussianEvent:
         return SampledWithoutReplacementGaussianEvent(noise_multiplier / 2, self.sample_size, self.n_units)
@@ -207,6 +237,11 @@ class UniformBatchSource:
             raise ValidationError("batch_size", f"must be >= 1, got {batch_size}")
         self.data = dict(data)
         self.batch_size = batch_size
+        self._unit_index = torch.arange(batch_size)
+
+    def to(self, device: torch.device | str) -> "UniformBatchSource":
+        self.data = _data_to(self.data, device)
+        return self
 
     @property
     def expected_batch_size(self) -> float:
@@ -214,7 +249,7 @@ class UniformBatchSource:
 
     def sample(self, generator: torch.Generator) -> Batch:
         rows = torch.randint(0, self.n_rows, (self.batch_size,), generator=generator)
-        return Batch(_gather(self.data, rows), torch.arange(self.batch_size), self.batch_size, private=False)
+        return Batch(_gather(self.data, rows), self._unit_index, self.batch_size, private=False, layout=RowLayout(1))
 
     def step_event(self, noise_multiplier: float) -> None:
         return None
@@ -239,6 +274,11 @@ class MixtureSource:
     @property
     def expected_batch_size(self) -> float:
         return self.private_source.expected_batch_size
+
+    def to(self, device: torch.device | str) -> "MixtureSource":
+        self.private_source.to(device)
+        self.public_source.to(device)
+        return self
 
     def sample(self, generator: torch.Generator) -> Batch:
         if torch.rand((), generator=generator).item() < self.private_probability:

