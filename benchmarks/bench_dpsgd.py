@@ -1,94 +1,248 @@
-"""Cost of one DP-SGD step relative to a non-private step, for every clipping mode, measured in one run.
+"""Cost of one DP-SGD step relative to a non-private step, every clipping mode, measured in one run.
 
-Setup (the issue's target): discrete CQL on a 2 x 256 ReLU Q-network, CartPole-sized inputs (4 -> 2 actions),
-256 privacy units per step, Adam. Prints the median step time of each mode and its ratio to the non-private step.
+Setup (the issue's target): discrete CQL on a ReLU Q-network (2 x 256 by default), CartPole-sized inputs
+(4 -> 2 actions), B privacy units per step, Adam built by the trainer's ``build_optimizer`` (fused where torch has
+it) for every mode, so the ratio compares like with like. Every mode gets its own fresh copy of one initial
+network, its own optimizer and its own engine (closed afterwards: no hooks survive into the next mode).
 
-    python benchmarks/bench_dpsgd.py            # full measurement
-    python benchmarks/bench_dpsgd.py --quick    # smoke test (seconds)
+Rounds interleave the modes (in a rotating order), each mode timing a block of steps per round, so that machine
+load affects every mode alike; a ratio is computed per round against the non-private step of the same round and
+the same rows, and the median and min-max over rounds are printed. ``--quick`` only has fewer rounds: it is built
+the same way, so a ratio below 1 there is noise of the estimate, not an artefact of the order.
+
+Rows: "secret noise" draws the noise from a ``SecretRoot`` stream (full 19968-bit MT19937 state, as the trainer
+does), "seeded noise" from ``torch.Generator().manual_seed(0)``: same sampler, so the difference measures the cost
+of the secret streams. "+ sampling" rows include drawing the batch (Poisson over units from a secret generator,
+vs uniform rows for the non-private step).
+
+    python benchmarks/bench_dpsgd.py                 # batch 256, 2 x 256, every mode
+    python benchmarks/bench_dpsgd.py --sweep         # book-keeping vs non-private, batch 64-1024, 2x256 and 3x512
+    python benchmarks/bench_dpsgd.py --quick         # smoke test (seconds)
+    python benchmarks/bench_dpsgd.py --device cuda   # on a GPU (times synchronise the device)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from dporl.algos.cql import CQLConfig, DiscreteCQL
 from dporl.privacy.dpsgd import DPSGDEngine
 from dporl.privacy.noise import NoiseSource
-from dporl.privacy.samplers import Batch
+from dporl.privacy.randomness import SecretRoot
+from dporl.privacy.samplers import Batch, PoissonUnitSource, RowLayout, UniformBatchSource
+from dporl.train.config import OptimizerConfig
+from dporl.train.trainer import build_optimizer
+
+OBS_DIM, N_ACTIONS = 4, 2
 
 
-def make_batch(units: int, rows_per_unit: int, obs_dim: int, n_actions: int, generator: torch.Generator) -> Batch:
+def make_batch(units: int, rows_per_unit: int, generator: torch.Generator, device: torch.device) -> Batch:
     rows = units * rows_per_unit
     data = {
-        "obs": torch.randn(rows, obs_dim, generator=generator),
-        "actions": torch.randint(0, n_actions, (rows,), generator=generator),
+        "obs": torch.randn(rows, OBS_DIM, generator=generator),
+        "actions": torch.randint(0, N_ACTIONS, (rows,), generator=generator),
         "rewards": torch.randn(rows, generator=generator),
-        "next_obs": torch.randn(rows, obs_dim, generator=generator),
+        "next_obs": torch.randn(rows, OBS_DIM, generator=generator),
         "terminated": torch.zeros(rows, dtype=torch.bool),
     }
-    return Batch(data, torch.arange(units).repeat_interleave(rows_per_unit), units, private=True)
+    # The layout a PoissonUnitSource attaches: contiguous blocks of rows_per_unit rows per sampled unit.
+    return Batch(data, torch.arange(units).repeat_interleave(rows_per_unit), units, private=True,
+                 layout=RowLayout(rows_per_unit)).to(device)
 
 
-def time_steps(step, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def make_columns(n_units: int, rows_per_unit: int, generator: torch.Generator, device: torch.device):
+    batch = make_batch(n_units, rows_per_unit, generator, device)
+    return batch.data, batch.unit_index.cpu()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    repeats, warmup = (5, 2) if args.quick else (200, 20)
-    generator = torch.Generator().manual_seed(0)
-    model = DiscreteCQL(4, 2, CQLConfig(hidden_sizes=[256, 256]))
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    batches = {k: make_batch(args.batch, k, 4, 2, generator) for k in (1, 4)}
+@dataclass
+class Mode:
+    name: str
+    rows_per_unit: int
+    baseline: str  # the non-private mode with the same rows
+    step: Callable[[], None]
+    close: Callable[[], None] = lambda: None
+    slow: bool = False
 
-    def non_private_on(batch):
+
+class Setup:
+    """One fresh network, optimizer (and engine) per mode, all from the same initial weights."""
+
+    def __init__(self, args, hidden: list[int], batch: int, device: torch.device):
+        self.args, self.batch, self.device = args, batch, device
+        generator = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        self.initial = DiscreteCQL(OBS_DIM, N_ACTIONS, CQLConfig(hidden_sizes=hidden))
+        self.batches = {k: make_batch(batch, k, generator, device) for k in (1, 4)}
+        # Sources over a population of 10 * batch units, rate 0.1: B units per step in expectation.
+        population = 10 * batch
+        data, units = make_columns(population, 4, generator, device)
+        self.private_source = PoissonUnitSource(data, units, population, batch / population, rows_per_unit=1)
+        self.public_source = UniformBatchSource(data, batch)
+        self.optimizer_config = OptimizerConfig(name="adam", lr=1e-4)
+
+    def fresh(self):
+        model = copy.deepcopy(self.initial).to(self.device)
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], self.optimizer_config)
+        return model, optimizer
+
+    def non_private(self, k: int, sampling: bool = False) -> Mode:
+        model, optimizer = self.fresh()
+        fixed = self.batches[k]
+        generator = torch.Generator().manual_seed(1)
+
         def step():
+            batch = self.public_source.sample(generator) if sampling else fixed
             optimizer.zero_grad(set_to_none=True)
             model.row_losses(batch).mean().backward()
             optimizer.step()
 
-        return step
+        name = f"non-private ({self.batch * k} rows)" + (" + sampling" if sampling else "")
+        return Mode(name, k, name, step)
 
-    # A unit with k rows costs a forward/backward over k rows, so each mode is compared with a non-private step
-    # over the same rows.
-    baselines = {k: time_steps(non_private_on(b), repeats, warmup) for k, b in batches.items()}
-    results = {f"non-private ({args.batch * k} rows)": (baselines[k], k) for k in batches}
-    modes = [("bookkeeping", 1), ("bookkeeping", 4), ("ghost", 1), ("opacus", 1), ("naive", 1)]
-    for mode, k in modes:
-        engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=args.batch,
-                             noise=NoiseSource(0), mode=mode)
-        batch = batches[k]
+    def private(self, mode: str, k: int, noise: str = "secret", sampling: bool = False) -> Mode:
+        model, optimizer = self.fresh()
+        if noise == "secret":
+            source = SecretRoot().noise("bench/noise")
+        else:
+            source = NoiseSource(generator=torch.Generator().manual_seed(0), reproducible=True)
+        engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=self.batch,
+                             noise=source, mode=mode)
+        fixed = self.batches[k]
+        generator = SecretRoot().torch_generator("bench/sampler")
 
-        def private():
+        def step():
+            batch = self.private_source.sample(generator) if sampling else fixed
             optimizer.zero_grad(set_to_none=True)
-            engine.private_backward(model.row_losses(batch), batch.unit_index, batch.n_units)
+            engine.private_backward(model.row_losses(batch), batch.unit_index, batch.n_units, layout=batch.layout)
             optimizer.step()
 
-        reps = max(3, repeats // 20) if mode == "naive" else repeats
-        seconds = time_steps(private, reps, min(warmup, 2) if mode == "naive" else warmup)
-        results[f"{mode} (rows/unit={k})"] = (seconds, k)
-        if engine._grad_sample_module is not None:
-            engine._grad_sample_module._close()
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, batch={args.batch} units, 2x256 MLP, CQL loss")
-    print(f"{'mode':28s} {'ms/step':>9s} {'ratio vs non-private on the same rows':>38s}")
-    for name, (seconds, k) in results.items():
-        print(f"{name:28s} {seconds * 1e3:9.3f} {seconds / baselines[k]:37.2f}x")
+        label = f"{mode} (rows/unit={k}, {noise} noise)" + (" + sampling" if sampling else "")
+        baseline = f"non-private ({self.batch * k} rows)" + (" + sampling" if sampling else "")
+        return Mode(label, k, baseline, step, engine.close, slow=mode in ("opacus", "naive"))
+
+
+def synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_block(mode: Mode, steps: int, device: torch.device) -> float:
+    synchronise(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        mode.step()
+    synchronise(device)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(modes: list[Mode], rounds: int, block_seconds: float, device: torch.device) -> dict[str, list[float]]:
+    """Per-step seconds of every mode in every round; modes interleaved in a rotating order."""
+    steps = {}
+    for mode in modes:  # warm up, and size each mode's block to about block_seconds
+        time_block(mode, 3, device)
+        per_step = time_block(mode, 2, device)
+        steps[mode.name] = max(1, min(200, round(block_seconds / max(per_step, 1e-6))))
+    times: dict[str, list[float]] = {mode.name: [] for mode in modes}
+    for r in range(rounds):
+        shift = r % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            times[mode.name].append(time_block(mode, steps[mode.name], device))
+    return times
+
+
+def report(modes: list[Mode], times: dict[str, list[float]]) -> list[tuple[str, float, float, float, float]]:
+    """(name, median ms, median ratio, min ratio, max ratio); ratios per round against the same round's baseline."""
+    rows = []
+    for mode in modes:
+        ratios = [t / b for t, b in zip(times[mode.name], times[mode.baseline])]
+        rows.append((mode.name, 1e3 * statistics.median(times[mode.name]), statistics.median(ratios),
+                     min(ratios), max(ratios)))
+    return rows
+
+
+def print_rows(rows, header: str) -> None:
+    print(header)
+    print(f"{'mode':52s} {'ms/step':>8s} {'ratio (median)':>15s} {'min-max over rounds':>20s}")
+    for name, ms, ratio, low, high in rows:
+        print(f"{name:52s} {ms:8.3f} {ratio:14.3f}x {low:9.3f}-{high:.3f}x")
+
+
+def run_main(args, device: torch.device) -> None:
+    setup = Setup(args, args.hidden, args.batch, device)
+    modes = [setup.non_private(1), setup.non_private(4), setup.non_private(1, sampling=True)]
+    modes += [
+        setup.private("bookkeeping", 1, "secret"),
+        setup.private("bookkeeping", 1, "seeded"),
+        setup.private("bookkeeping", 4, "secret"),
+        setup.private("bookkeeping", 1, "secret", sampling=True),
+        setup.private("ghost", 1),
+    ]
+    if not args.fast_modes_only:
+        modes += [setup.private("opacus", 1), setup.private("naive", 1)]
+    fast = [m for m in modes if not m.slow]
+    slow = [m for m in modes if m.slow]
+    times = measure(fast, args.rounds, args.block_seconds, device)
+    if slow:  # per-sample modes are 30-100x slower: fewer rounds, each still beside its own baselines
+        baselines = [m for m in fast if m.name in {s.baseline for s in slow}]
+        slow_times = measure(baselines + slow, max(3, args.rounds // 5), args.block_seconds, device)
+        rows = report(fast, times) + report(slow, slow_times)  # against the baselines of their own rounds
+    else:
+        rows = report(fast, times)
+    for mode in modes:
+        mode.close()
+    net = "x".join(str(h) for h in args.hidden)
+    print_rows(rows, f"torch {torch.__version__}, device={device}, threads={torch.get_num_threads()}, "
+                     f"batch={args.batch} units, {len(args.hidden)}x{args.hidden[0]} MLP ({net}), CQL loss, "
+                     f"{args.rounds} interleaved rounds")
+
+
+def run_sweep(args, device: torch.device) -> None:
+    print(f"torch {torch.__version__}, device={device}, threads={torch.get_num_threads()}; book-keeping DP step "
+          f"(rows/unit=1, secret noise) / non-private step, {args.rounds} interleaved rounds each")
+    print(f"{'net':>8s} {'batch':>6s} {'non-private ms':>15s} {'DP ms':>8s} {'ratio (median)':>15s} {'min-max':>14s}")
+    for hidden in ([256, 256], [512, 512, 512]):
+        for batch in (64, 256, 1024):
+            setup = Setup(args, hidden, batch, device)
+            modes = [setup.non_private(1), setup.private("bookkeeping", 1, "secret")]
+            times = measure(modes, args.rounds, args.block_seconds, device)
+            (_, base_ms, *_), (_, ms, ratio, low, high) = report(modes, times)
+            for mode in modes:
+                mode.close()
+            net = f"{len(hidden)}x{hidden[0]}"
+            print(f"{net:>8s} {batch:6d} {base_ms:15.3f} {ms:8.3f} {ratio:14.3f}x {low:6.3f}-{high:.3f}x")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few rounds, fast modes only (a smoke test)")
+    parser.add_argument("--sweep", action="store_true", help="book-keeping vs non-private over batch sizes and nets")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--hidden", type=lambda s: [int(x) for x in s.split(",")], default=[256, 256])
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--block-seconds", type=float, default=None, help="time per mode per round")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fast-modes-only", action="store_true", help="skip the per-sample modes (opacus, naive)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.rounds is None:
+        args.rounds = 5 if args.quick else 30
+    if args.block_seconds is None:
+        args.block_seconds = 0.02 if args.quick else 0.1
+    args.fast_modes_only = args.fast_modes_only or args.quick
+    device = torch.device(args.device)
+    if args.sweep:
+        run_sweep(args, device)
+    else:
+        run_main(args, device)
 
 
 if __name__ == "__main__":

@@ -54,18 +54,30 @@ class StepStats:
     they belong to the curator, never in a release or a shared log.
     """
 
-    __slots__ = ("n_units", "noise_std", "_norms", "_max_grad_norm", "_values")
+    __slots__ = ("n_units", "noise_std", "_norms", "_sq_norms", "_max_grad_norm", "_values")
 
-    def __init__(self, n_units: int, norms: Optional[torch.Tensor], max_grad_norm: float, noise_std: float):
+    def __init__(
+        self,
+        n_units: int,
+        norms: Optional[torch.Tensor],
+        max_grad_norm: float,
+        noise_std: float,
+        *,
+        sq_norms: Optional[torch.Tensor] = None,
+    ):
         self.n_units = int(n_units)  # units sampled this step (units owning no rows have norm 0)
         self.noise_std = float(noise_std)  # per-coordinate std of the noise added to the sum
-        self._norms = None if norms is None else norms.detach()  # norms of the units that own rows
+        # Norms (or squared norms) of the units that own rows; the others' are 0.
+        self._norms = None if norms is None else norms.detach()
+        self._sq_norms = None if sq_norms is None else sq_norms.detach()
         self._max_grad_norm = max_grad_norm
         self._values: Optional[tuple[float, float, float]] = None
 
     def _compute(self) -> tuple[float, float, float]:
         if self._values is None:
             n, norms = self.n_units, self._norms
+            if norms is None and self._sq_norms is not None:
+                norms = self._sq_norms.sqrt()
             if n == 0:
                 self._values = (0.0, math.nan, math.nan)
             elif norms is None or norms.numel() == 0:
@@ -102,18 +114,18 @@ class StepStats:
         return f"StepStats(n_units={self.n_units}, noise_std={self.noise_std:g})"
 
 
-def _record(tape_ref: "weakref.ref[_LinearTape]", layer: nn.Module, inputs, output) -> None:
-    tape = tape_ref()
-    if tape is not None and torch.is_grad_enabled() and output.requires_grad:
-        tape.add(layer, inputs[0].detach(), output)
+def _record(records: dict, layer: nn.Module, inputs, output) -> None:
+    if output.requires_grad:  # False under no_grad / inference_mode: targets are never recorded
+        previous = records.get(id(layer))
+        records[id(layer)] = (1 if previous is None else previous[0] + 1, inputs[0], output)
 
 
 class _LinearTape:
     """Records the input and output of every grad-enabled call of the trainable Linear layers of a module.
 
-    The hooks hold the tape weakly: a tape that is collected removes its hooks (``weakref.finalize``). A layer
-    called more than once keeps only its latest call (and the count, which ``take`` refuses), so a tape that is
-    never taken holds one step's activations at most.
+    The hooks hold only the records, not the tape: a tape that is collected removes its hooks
+    (``weakref.finalize``). A layer called more than once keeps only its latest call (and the count, which
+    ``take`` refuses), so a tape that is never taken holds one step's activations at most.
     """
 
     def __init__(self, module: nn.Module):
@@ -124,18 +136,16 @@ class _LinearTape:
             raise ValidationError(
                 "dp.clipping", f"bookkeeping/ghost clipping supports nn.Linear only; {stray} is not (use 'opacus')"
             )
-        self.records: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # id(layer) -> (calls, input, output)
-        hook = functools.partial(_record, weakref.ref(self))
+        # id(layer) -> (calls, input, output); inputs are used under no_grad only, so they need no detach.
+        self.records: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        hook = functools.partial(_record, self.records)
         self.handles = [layer.register_forward_hook(hook) for layer in self.layers]
         self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
 
-    def add(self, layer: nn.Module, a: torch.Tensor, output: torch.Tensor) -> None:
-        calls = self.records.get(id(layer), (0,))[0]
-        self.records[id(layer)] = (calls + 1, a, output)
-
     def take(self) -> list[tuple[nn.Linear, Optional[torch.Tensor], Optional[torch.Tensor]]]:
         """(layer, input a, output) per layer since the last take; a layer never called yields (layer, None, None)."""
-        records, self.records = self.records, {}
+        records = dict(self.records)
+        self.records.clear()
         taken = []
         for layer in self.layers:
             record = records.get(id(layer))
@@ -152,10 +162,10 @@ class _LinearTape:
         return taken
 
     def discard(self) -> None:
-        self.records = {}
+        self.records.clear()
 
     def close(self) -> None:
-        self.records = {}
+        self.records.clear()
         self._finalizer()  # removes the hooks once; later calls do nothing
 
 
@@ -212,11 +222,18 @@ class _UnitLayout:
         return per_group if self.kmax <= 1 else per_group.repeat_interleave(self.kmax)
 
 
-def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_bias: bool) -> torch.Tensor:
-    """Squared norms [groups] of each group's gradient of one Linear layer, from inputs a and output grads g."""
+def _ghost_sq_norms(
+    a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_bias: bool, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Squared norms [groups] of each group's gradient of one Linear layer, from inputs a and output grads g;
+    added into ``out`` when given (the sum over layers)."""
     if layout.block and layout.kmax <= 1 and a.dim() == 2:
-        g_sq = (g * g).sum(1)
-        return torch.addcmul(g_sq, g_sq, (a * a).sum(1)) if has_bias else g_sq * (a * a).sum(1)
+        g_sq, a_sq = torch.linalg.vecdot(g, g), torch.linalg.vecdot(a, a)
+        if out is None:
+            return torch.addcmul(g_sq, g_sq, a_sq) if has_bias else g_sq.mul_(a_sq)
+        if has_bias:
+            out.add_(g_sq)
+        return out.addcmul_(g_sq, a_sq)
     pa, pg = layout.group(a), layout.group(g)
     k, d_in, d_out = pa.shape[1], pa.shape[2], pg.shape[2]
     if k * (d_in + d_out) < d_in * d_out:  # Gram products are cheaper than forming the unit gradients
@@ -225,7 +242,7 @@ def _ghost_sq_norms(a: torch.Tensor, g: torch.Tensor, layout: _UnitLayout, has_b
         sq = torch.einsum("uko,uki->uoi", pg, pa).pow(2).sum((1, 2))
     if has_bias:
         sq = sq + pg.sum(1).pow(2).sum(1)
-    return sq
+    return sq if out is None else out.add_(sq)
 
 
 def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
@@ -346,7 +363,9 @@ class DPSGDEngine:
                 counts = torch.bincount(unit_index, minlength=n_units)
                 units = _UnitLayout.build(unit_index, counts)
                 weights = 1.0 / counts[unit_index].to(row_losses.dtype)
-            norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost")
+            sq_norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost")
+            self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std, sq_norms=sq_norms)
+            return self.last_stats
         else:
             unit_index = unit_index.to(row_losses.device).long()
             counts = torch.bincount(unit_index, minlength=n_units)
@@ -384,8 +403,13 @@ class DPSGDEngine:
         self._clear_grad_samples()
 
     # ------------------------------------------------------------------ internals
-    def _clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        return (self.max_grad_norm / (norms + 1e-6)).clamp_(max=1.0)
+    def _clip_factors(self, norms: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """scale * min(1, C / norm), written as scale * C / max(norm, C) (1 for a zero gradient)."""
+        return torch.clamp(norms, min=self.max_grad_norm).reciprocal_().mul_(scale * self.max_grad_norm)
+
+    def _clip_factors_sq(self, sq_norms: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The same from squared norms: scale * C * rsqrt(max(norm^2, C^2)); no square root of the norms needed."""
+        return torch.clamp(sq_norms, min=self.max_grad_norm**2).rsqrt_().mul_(scale * self.max_grad_norm)
 
     def _write(self, sums: Sequence[Optional[torch.Tensor]]) -> None:
         """p.grad = noise / B + sum for every parameter, the noise drawn into the gradient's own buffer.
@@ -399,44 +423,50 @@ class DPSGDEngine:
                 buffer.add_(total)
             p.grad = buffer
 
-    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool):
+    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool) -> torch.Tensor:
         records = self._tape.take()
         live = [(layer, a, out) for layer, a, out in records if out is not None]
-        weighted = (row_losses * weights).sum()
+        if isinstance(weights, float):
+            weighted = row_losses.sum() if weights == 1.0 else row_losses.sum() * weights
+        else:
+            weighted = (row_losses * weights).sum()
         grads = torch.autograd.grad(weighted, [out for _, _, out in live], retain_graph=second_pass)
-        sq = None
-        for (layer, a, _), g in zip(live, grads):
-            part = _ghost_sq_norms(a, g, units, layer.bias is not None)
-            sq = part if sq is None else sq.add_(part)
-        norms = sq.sqrt_()
-        # Each row's factor: its unit's clip factor, with 1/B (the division by the expected batch) folded in.
-        row_factor = units.row_values(self._clip_factors(norms).to(row_losses.dtype).div_(self.expected_batch_size))
-        if second_pass:
-            sums = torch.autograd.grad((row_losses * weights * row_factor).sum(), self.params, allow_unused=True)
-            self._write(list(sums))
-            return norms
+        with torch.no_grad():
+            sq = None
+            for (layer, a, _), g in zip(live, grads):
+                sq = _ghost_sq_norms(a, g, units, layer.bias is not None, out=sq)
+            # Each row's factor: its unit's clip factor, with 1/B (the division by the expected batch) folded in.
+            row_factor = units.row_values(self._clip_factors_sq(sq, 1.0 / self.expected_batch_size))
+            if second_pass:
+                with torch.enable_grad():
+                    sums = torch.autograd.grad((row_losses * weights * row_factor).sum(), self.params, allow_unused=True)
+                self._write(list(sums))
+            else:
+                self._write_bookkeeping(live, grads, row_factor)
+        return sq
+
+    def _write_bookkeeping(self, live, grads, row_factor: torch.Tensor) -> None:
+        """p.grad = noise / B + (c / B * G)^T A per layer: the clipped sum accumulated into the noise in place."""
         noise = self.noise.gaussian_like(self.params, self.noise_std / self.expected_batch_size)
         buffers = {id(p): n for p, n in zip(self.params, noise)}
+        column = row_factor.unsqueeze(1)
         for (layer, a, _), g in zip(live, grads):
-            g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
-            if g2.shape[0] != row_factor.shape[0]:  # rows with a time axis
-                factor = row_factor.repeat_interleave(g2.shape[0] // row_factor.shape[0])
+            factor, factor_column = row_factor, column
+            if g.dim() != 2:  # rows with a time axis: every step of a row shares the row's factor
+                steps = g.numel() // (g.shape[-1] * row_factor.shape[0])
+                g, a = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+                factor = row_factor.repeat_interleave(steps)
+                factor_column = factor.unsqueeze(1)
+            g_t = g.T
+            weight = buffers[id(layer.weight)]
+            if g.shape[1] <= a.shape[1]:  # scale the narrower side: (c * G)^T A = G^T (c * A)
+                weight.addmm_((g * factor_column).T, a)
             else:
-                factor = row_factor
-            weight, bias = buffers[id(layer.weight)], buffers.get(id(layer.bias)) if layer.bias is not None else None
-            # The clipped sum (c * G)^T A, accumulated into the noise; scale the narrower side: = G^T (c * A).
-            if g2.shape[1] <= a2.shape[1]:
-                scaled = g2 * factor.unsqueeze(1)
-                weight.addmm_(scaled.T, a2)
-                if bias is not None:
-                    bias.add_(scaled.sum(0))
-            else:
-                weight.addmm_(g2.T, a2 * factor.unsqueeze(1))
-                if bias is not None:
-                    bias.add_(factor @ g2)
+                weight.addmm_(g_t, a * factor_column)
+            if layer.bias is not None and id(layer.bias) in buffers:
+                buffers[id(layer.bias)].addmv_(g_t, factor)
         for p, buffer in zip(self.params, noise):
             p.grad = buffer
-        return norms
 
     def _opacus(self, row_losses, unit_index, n_units, weights):
         self._clear_grad_samples()

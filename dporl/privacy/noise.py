@@ -59,9 +59,8 @@ class NoiseSource:
         if not tensors:
             return []
         if type(self).gaussian is NoiseSource.gaussian and all(t.device.type == "cpu" for t in tensors):
-            return [
-                torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=self._generator) for t in tensors
-            ]
+            generator = self._generator
+            return [torch.normal(0.0, std, t.shape, generator=generator, dtype=t.dtype) for t in tensors]
         sizes = [t.numel() for t in tensors]
         flat = self.gaussian(sum(sizes), std, dtype=tensors[0].dtype).to(tensors[0].device, non_blocking=True)
         return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split(sizes), tensors)]
