@@ -70,3 +70,121 @@ def test_calibration_refusals():
         calibrate_noise_multiplier(1.0, DELTA, 10, make_event=lambda s: ApproxDPEvent(1.0, 0.0), mechanism="pld")
     with pytest.raises(ValidationError):
         calibrate_noise_multiplier(1.0, DELTA, 0, make_event=lambda s: PoissonGaussianEvent(s, 0.1))
+
+
+def _reference_max_steps(event, epsilon, mechanism, cap=10**7):
+    """The exact answer by plain doubling and bisection over the accountant (main's search), for comparison."""
+    def fits(n):
+        return epsilon_for([(event, n)], DELTA, mechanism) <= epsilon * (1 + 1e-12)
+
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, 2 * bad
+        assert bad < cap
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+GRID = [  # (event, epsilon): Poisson steps at several rates/noises, Algorithm 3's mixture, answers 1 to ~10^4
+    (PoissonGaussianEvent(1.0, 0.01), 1.0),
+    (PoissonGaussianEvent(0.8, 0.05), 2.0),
+    (PoissonGaussianEvent(2.0, 0.1), 0.5),
+    (PoissonGaussianEvent(0.6, 0.256), 8.0),
+    (PoissonGaussianEvent(5.0, 1.0), 1.0),
+    (MixtureEvent(0.1, PoissonGaussianEvent(1.2, 0.2)), 3.0),
+    (MixtureEvent(0.5, PoissonGaussianEvent(0.9, 0.02)), 1.5),
+]
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "pld"])
+def test_max_steps_matches_the_exact_answer_on_a_grid_with_few_evaluations(mechanism, monkeypatch):
+    import dporl.privacy.calibration as calibration
+
+    calls = []
+
+    def counting(events, delta, analysis):
+        calls.append(analysis)
+        return epsilon_for(events, delta, analysis)
+
+    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    grid = GRID if mechanism == "rdp" else GRID[::2]  # PLD evaluations cost more: every other point
+    for event, epsilon in grid:
+        calls.clear()
+        n = max_steps(event, epsilon, DELTA, mechanism=mechanism)
+        assert n == _reference_max_steps(event, epsilon, mechanism), (event, epsilon)
+        # Verified to fit, and one more step does not (the reference's own criterion, evaluated directly).
+        assert epsilon_for([(event, n)], DELTA, mechanism) <= epsilon < epsilon_for([(event, n + 1)], DELTA, mechanism)
+        # The search interpolates from the RDP answer: far fewer evaluations than doubling + bisection (2 log2 n).
+        assert len(calls) <= 8, (event, epsilon, n, len(calls))
+
+
+def test_max_steps_with_prv_is_searched_with_pld_and_verified_under_prv(monkeypatch):
+    import dporl.privacy.calibration as calibration
+
+    calls = []
+
+    def counting(events, delta, analysis):
+        calls.append(analysis)
+        return epsilon_for(events, delta, analysis)
+
+    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    # Many steps: PRV is the tighter analysis, and confirms PLD's count with a single PRV evaluation.
+    event = PoissonGaussianEvent(1.0, 1e-3)
+    n = max_steps(event, 1.0, DELTA, mechanism="prv")
+    assert n == max_steps(event, 1.0, DELTA, mechanism="pld") > 10_000
+    assert epsilon_for([(event, n)], DELTA, "prv") <= 1.0  # fits the analysis the run reports
+    assert calls.count("prv") == 1
+    # Few steps: PRV's bound is the looser one here, so PLD's count is walked down with PRV to PRV's own answer.
+    event = PoissonGaussianEvent(1.0, 0.01)
+    n = max_steps(event, 1.0, DELTA, mechanism="prv")
+    assert n < max_steps(event, 1.0, DELTA, mechanism="pld")
+    assert epsilon_for([(event, n)], DELTA, "prv") <= 1.0 < epsilon_for([(event, n + 1)], DELTA, "prv")
+    with pytest.raises(ValidationError, match="PRV"):
+        max_steps(MixtureEvent(0.5, event), 1.0, DELTA, mechanism="prv")
+
+
+def test_calibrated_sigma_under_prv_is_searched_with_pld_and_verified_under_prv(monkeypatch):
+    import dporl.privacy.calibration as calibration
+
+    calls = []
+
+    def counting(events, delta, analysis):
+        calls.append(analysis)
+        return epsilon_for(events, delta, analysis)
+
+    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    # Many steps: PRV is tighter and confirms PLD's sigma (the smallest under PLD, to 1e-3) in one evaluation.
+    sigma = calibrate_noise_multiplier(1.0, DELTA, 20_000, make_event=lambda s: PoissonGaussianEvent(s, 1e-3),
+                                       mechanism="prv")
+    assert epsilon_for([(PoissonGaussianEvent(sigma, 1e-3), 20_000)], DELTA, "prv") <= 1.0
+    assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, 1e-3), 20_000)], DELTA, "pld") > 1.0
+    assert calls.count("prv") == 1
+    # Few steps: PRV is looser, so sigma is raised with PRV until PRV confirms it (then smallest under PRV).
+    sigma = calibrate_noise_multiplier(2.0, DELTA, 500, make_event=lambda s: PoissonGaussianEvent(s, 0.02),
+                                       mechanism="prv")
+    assert epsilon_for([(PoissonGaussianEvent(sigma, 0.02), 500)], DELTA, "prv") <= 2.0
+    assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, 0.02), 500)], DELTA, "prv") > 2.0
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "pld"])
+def test_sigma_search_uses_few_evaluations(mechanism, monkeypatch):
+    import dporl.privacy.calibration as calibration
+
+    calls = []
+
+    def counting(events, delta, analysis):
+        calls.append(analysis)
+        return epsilon_for(events, delta, analysis)
+
+    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    for rate, steps, target in [(0.05, 100, 3.0), (0.01, 2000, 1.0), (0.256, 50, 8.0)]:
+        calls.clear()
+        sigma = calibrate_noise_multiplier(target, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
+                                           mechanism=mechanism)
+        assert epsilon_for([(PoissonGaussianEvent(sigma, rate), steps)], DELTA, mechanism) <= target
+        assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, rate), steps)], DELTA, mechanism) > target
+        assert len(calls) <= 10, (rate, steps, len(calls))  # bracketing from sigma = 1 and bisecting took ~14

@@ -1,9 +1,22 @@
 """Calibration: the noise a budget needs, and the number of steps a budget allows.
 
-Both search the accountant itself (no closed-form approximation), so the answer is exactly as sound as the
-accountant: ``calibrate_noise_multiplier`` returns a sigma whose accounted epsilon is <= the target (the upper
-end of a bisection, never the midpoint), and ``max_steps`` returns the exact largest integer n with
-epsilon(n steps) <= target, using that epsilon grows with n (more releases never reduce the privacy loss).
+Both search the accountant itself (no closed-form approximation stands in for it), so the answer is exactly as
+sound as the accountant: ``calibrate_noise_multiplier`` returns a sigma whose accounted epsilon is <= the target
+(the fitting end of a bracket, never an interpolated point), and ``max_steps`` returns the exact largest integer n
+with epsilon(n steps) <= target (for "rdp" and "pld"), using that epsilon grows with n (more releases never reduce
+the privacy loss) and falls with sigma.
+
+Few evaluations. An analysis of 10^6 composed steps costs tens of milliseconds (PLD) to seconds (PRV), so the
+searches do not double and bisect. ``max_steps`` starts from the RDP answer, which is closed-form per Renyi order
+(n_a = (epsilon - conversion_a) / RDP_a(event)), then brackets and interpolates epsilon as a power of n in log-log
+coordinates (epsilon is smooth in n), with a bisection whenever interpolation stops halving the bracket;
+typically 2-6 evaluations of the requested analysis, against 34 for doubling and bisection at 10^5 steps. ``calibrate_noise_multiplier`` interpolates log epsilon against
+log sigma the same way.
+
+PRV (Opacus' accountant, seconds per evaluation at 10^5 steps) is searched with PLD and verified with PRV: the
+answer is the PLD search's, checked to fit under PRV with one PRV evaluation (walked further, with PRV, only if it
+does not). Both are upper bounds on the true epsilon, so the step count is sound and the run's report states PRV's
+epsilon; PRV's own largest step count can be slightly larger (PLD's discretisation is pessimistic).
 """
 
 from __future__ import annotations
@@ -11,8 +24,18 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from dporl.privacy.accountants import Mechanism, check_count, epsilon_for, spends_nothing, within_budget
-from dporl.privacy.events import PrivacyEvent
+import numpy as np
+
+from dporl.privacy.accountants import (
+    RDP_ORDERS,
+    Mechanism,
+    check_count,
+    epsilon_for,
+    rdp_curve,
+    spends_nothing,
+    within_budget,
+)
+from dporl.privacy.events import PoissonGaussianEvent, PrivacyEvent
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 # Beyond these the budget is meaningless for training (or the search would not terminate).
@@ -25,6 +48,148 @@ def _check_budget(epsilon: float, delta: float) -> None:
     check_probability("delta", delta, allow_zero=False, allow_one=False)
 
 
+def _search_mechanism(mechanism: Mechanism) -> Mechanism:
+    """The analysis a search runs: PRV is searched with PLD, then verified with PRV (see the module docstring)."""
+    return "pld" if mechanism == "prv" else mechanism
+
+
+def _inverse_interpolate(known: dict, target: float, points: int = 3) -> Optional[tuple[float, int]]:
+    """(x where f(x) = target, points used) from evaluated pairs ``known`` {x: f(x)}: log x fitted as a polynomial
+    in log f (degree points - 1, inverse interpolation as in Brent's method) through the pairs whose f is nearest
+    the target; None with fewer than two usable pairs."""
+    usable = [x for x, value in known.items() if x > 0 and 0 < value < math.inf]
+    usable = sorted(usable, key=lambda x: abs(math.log(known[x] / target)))[:points]
+    logs = [math.log(known[x] / target) for x in usable]
+    if len(usable) < 2 or len(set(logs)) < len(logs):
+        return None
+    coefficients = np.polyfit(np.array(logs), np.log(np.array(usable, dtype=float)), len(usable) - 1)
+    predicted = math.exp(float(coefficients[-1]))
+    return (predicted, len(usable)) if math.isfinite(predicted) else None
+
+
+# --------------------------------------------------------------------------------------------------- step counts
+def rdp_step_guess(event: PrivacyEvent, epsilon: float, delta: float) -> Optional[int]:
+    """Largest n whose RDP bound fits (epsilon, delta), in closed form per Renyi order; None without an RDP curve.
+
+    Per order a, n composed events have RDP n r(a), converted to epsilon = n r(a) + log(1 - 1/a) - (log delta +
+    log a) / (a - 1) (Balle et al. 2020, the conversion ``dp_accounting`` uses in its main case); the answer is the
+    best order's floor. A starting point for the search only: every answer is verified by the accountant.
+    """
+    try:
+        curve = rdp_curve(event)
+    except ValidationError:
+        return None
+    orders = RDP_ORDERS
+    offset = np.log1p(-1.0 / orders) - (math.log(delta) + np.log(orders)) / (orders - 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        counts = np.floor((epsilon - offset) / curve)
+    counts = counts[np.isfinite(counts) & (curve > 0)]
+    if counts.size == 0:
+        return None
+    return int(min(max(counts.max(), 0.0), STEP_SEARCH_LIMIT))
+
+
+def _largest_fitting(spent: Callable[[int], float], epsilon: float, cap: int, guess: int) -> int:
+    """Largest n in [0, cap] with ``spent(n)`` within ``epsilon``; ``spent`` is non-decreasing and spent(0) = 0.
+
+    Brackets from ``guess`` by power-law extrapolation (the exponent measured on the last two fitting counts),
+    then predicts the crossing by inverse interpolation through the evaluations nearest the target, probing the
+    prediction (and its successor once three evaluations back it); a bisection after two rounds that fail to
+    halve the bracket keeps the worst case logarithmic.
+    """
+    known: dict[int, float] = {0: 0.0}
+
+    def fits(n: int) -> bool:
+        if n not in known:
+            known[n] = spent(n)
+        return within_budget(known[n], epsilon)
+
+    def extrapolate(n: int) -> Optional[float]:
+        """Where epsilon ~ n^p meets the target, p from the last two fitting counts (1/2 with only one)."""
+        value = known[n]
+        if not 0 < value < math.inf:
+            return None
+        below = sorted(k for k in known if 0 < k < n and 0 < known[k] < value)
+        power = 0.5
+        if below:
+            power = math.log(value / known[below[-1]]) / math.log(n / below[-1])
+            power = min(max(power, 0.05), 1.0)
+        return n * (epsilon / value) ** (1 / power)
+
+    low, high = 0, None  # low fits (0 steps spend nothing); high, once known, does not
+    n = min(max(guess, 1), cap)
+    while high is None:
+        if not fits(n):
+            high = n
+            break
+        low = n
+        if n == cap:
+            return cap
+        aim = extrapolate(n)  # 5% past the predicted crossing, so that the next count usually does not fit
+        n = min(cap, max(2 * n if aim is None else int(aim * 1.05) + 1, n + 1))
+    stalls = 0
+    while high - low > 1:
+        width = high - low
+        prediction = _inverse_interpolate(known, epsilon)
+        if prediction is None:
+            middle, confident = (low + high) // 2, False
+        else:
+            middle, confident = min(max(int(prediction[0]), low + 1), high - 1), prediction[1] >= 3
+        if fits(middle):
+            low = middle
+            if confident and middle + 1 < high:  # a three-point prediction is usually exact: check its successor
+                if fits(middle + 1):
+                    low = middle + 1
+                else:
+                    high = middle + 1
+        else:
+            high = middle
+        stalls = stalls + 1 if high - low > width / 2 else 0
+        if stalls >= 2 and high - low > 1:  # interpolation is not converging: bisect once
+            stalls, middle = 0, (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+    return low
+
+
+def max_steps(
+    event: PrivacyEvent, epsilon: float, delta: float, *, mechanism: Mechanism = "rdp", limit: Optional[int] = None
+) -> int:
+    """Largest n with epsilon(n x ``event``) <= ``epsilon`` at ``delta`` (0 if not even one fits).
+
+    ``limit`` caps the search (the answer is then min(limit, n)); without it an event that spends nothing, or a
+    budget allowing more than 10^9 steps, is an error rather than an endless search. With ``mechanism="prv"`` the
+    answer is the PLD answer verified to fit under PRV (see the module docstring).
+    """
+    _check_budget(epsilon, delta)
+    limit = None if limit is None else check_count("limit", limit)
+    cap = STEP_SEARCH_LIMIT if limit is None else limit
+    if spends_nothing(event):
+        if limit is None:
+            raise ValidationError("event", f"{event} spends no privacy: the number of steps is unbounded")
+        return limit
+    if cap == 0:
+        return 0
+    search = _search_mechanism(mechanism)
+    if mechanism == "prv" and not isinstance(event, PoissonGaussianEvent):
+        epsilon_for([(event, 1)], delta, mechanism)  # raises the PRV accountant's named refusal
+
+    def spent_by(analysis: Mechanism) -> Callable[[int], float]:
+        return lambda n: epsilon_for([(event, n)], delta, analysis)
+
+    guess = rdp_step_guess(event, epsilon, delta) or 1
+    found = _largest_fitting(spent_by(search), epsilon, cap, guess)
+    if found == cap and limit is None:
+        raise ValidationError("epsilon", f"the budget allows more than {cap} steps of {event}; set a step cap")
+    if mechanism == "prv" and found > 0:
+        # Verified with the analysis the run reports; walked down with PRV only if PLD's count does not fit it.
+        found = _largest_fitting(spent_by("prv"), epsilon, found, found)
+    return found
+
+
+# --------------------------------------------------------------------------------------------------- noise
 def calibrate_noise_multiplier(
     epsilon: float,
     delta: float,
@@ -37,78 +202,100 @@ def calibrate_noise_multiplier(
     """Smallest noise multiplier (to ``rel_tolerance``) such that ``steps`` events fit (epsilon, delta).
 
     ``make_event(sigma)`` builds the per-step event for a noise multiplier (e.g. a batch source's ``step_event``).
+    With ``mechanism="prv"`` the search runs with PLD and the answer is verified (raised if needed) with PRV.
     """
     _check_budget(epsilon, delta)
     steps = check_count("steps", steps, minimum=1)
 
-    def spent(sigma: float) -> float:
-        event = make_event(sigma)
-        if event is None or spends_nothing(event):
-            raise ValidationError("make_event", "the event spends no privacy: there is no noise to calibrate")
-        return epsilon_for([(event, steps)], delta, mechanism)
+    def spent_by(analysis: Mechanism) -> Callable[[float], float]:
+        def spent(sigma: float) -> float:
+            event = make_event(sigma)
+            if event is None or spends_nothing(event):
+                raise ValidationError("make_event", "the event spends no privacy: there is no noise to calibrate")
+            return epsilon_for([(event, steps)], delta, analysis)
 
-    # Bracket from sigma = 1 outwards (each evaluation of a new sigma costs a fresh analysis).
-    low, high = 1.0, 1.0
-    if within_budget(spent(1.0), epsilon):
-        while within_budget(spent(low), epsilon):
-            high, low = low, low / 4
-            if low < SIGMA_RANGE[0]:
-                return high
-    else:
-        while not within_budget(spent(high), epsilon):
-            low, high = high, high * 4
-            if high > SIGMA_RANGE[1]:
-                raise PrivacyBudgetError(
-                    "epsilon",
-                    f"even noise multiplier {SIGMA_RANGE[1]:g} does not fit epsilon={epsilon} at delta={delta} "
-                    f"over {steps} steps",
-                )
-    # Invariant: spent(low) > epsilon >= spent(high). Bisect in log space.
-    while high / low > 1 + rel_tolerance:
-        middle = math.sqrt(low * high)
-        if within_budget(spent(middle), epsilon):
-            high = middle
-        else:
-            low = middle
-    return high
+        return spent
+
+    if mechanism == "prv":
+        event = make_event(1.0)
+        if event is not None and not isinstance(event, PoissonGaussianEvent):
+            epsilon_for([(event, 1)], delta, mechanism)  # raises the PRV accountant's named refusal
+    sigma = _smallest_fitting_sigma(spent_by(_search_mechanism(mechanism)), epsilon, delta, steps, rel_tolerance)
+    if mechanism == "prv" and not within_budget(spent_by("prv")(sigma), epsilon):
+        # PRV does not confirm PLD's answer (rare: PRV is usually the tighter): raise sigma until it does.
+        sigma = _smallest_fitting_sigma(spent_by("prv"), epsilon, delta, steps, rel_tolerance, start=sigma)
+    return sigma
 
 
-def max_steps(
-    event: PrivacyEvent, epsilon: float, delta: float, *, mechanism: Mechanism = "rdp", limit: Optional[int] = None
-) -> int:
-    """Largest n with epsilon(n x ``event``) <= ``epsilon`` at ``delta`` (0 if not even one fits).
+def _smallest_fitting_sigma(
+    spent: Callable[[float], float], epsilon: float, delta: float, steps: int, rel_tolerance: float,
+    start: float = 1.0,
+) -> float:
+    """Smallest sigma (to ``rel_tolerance``) with spent(sigma) within epsilon; spent falls as sigma grows.
 
-    ``limit`` caps the search (the answer is then min(limit, n)); without it an event that spends nothing, or a
-    budget allowing more than 10^9 steps, is an error rather than an endless search.
+    Brackets from ``start`` with the model epsilon ~ 1/sigma (one jump usually crosses), then predicts the
+    crossing by inverse interpolation (log sigma against log epsilon) and probes just above it and a tolerance
+    below it; a log-space bisection after two rounds that fail to halve the bracket keeps the worst case bounded.
     """
-    _check_budget(epsilon, delta)
-    limit = None if limit is None else check_count("limit", limit)
-    cap = STEP_SEARCH_LIMIT if limit is None else limit
-    if spends_nothing(event):
-        if limit is None:
-            raise ValidationError("event", f"{event} spends no privacy: the number of steps is unbounded")
-        return limit
+    known: dict[float, float] = {}
 
-    def fits(n: int) -> bool:
-        return within_budget(epsilon_for([(event, n)], delta, mechanism), epsilon)
+    def fits(sigma: float) -> bool:
+        if sigma not in known:
+            known[sigma] = spent(sigma)
+        return within_budget(known[sigma], epsilon)
 
-    if cap == 0 or not fits(1):
-        return 0
-    good, bad = 1, None  # fits(good); not fits(bad)
-    while bad is None:
-        trial = min(2 * good, cap)
-        if trial == good:  # reached the cap
-            if limit is None:
-                raise ValidationError("epsilon", f"the budget allows more than {cap} steps of {event}; set a step cap")
-            return cap
-        if fits(trial):
-            good = trial
+    done = (1 + rel_tolerance) * (1 + 1e-9)  # a bracket this narrow is the answer
+    low, high = None, None  # spent(low) > epsilon >= spent(high)
+    sigma = start
+    while low is None or high is None:
+        if fits(sigma):
+            high = sigma
+            if low is not None:
+                break
+            value = known[sigma]
+            aim = sigma * value / epsilon / 1.05 if value > 0 else sigma / 4
+            sigma = min(max(aim, sigma / 64), sigma / (1 + rel_tolerance))
+            if sigma < SIGMA_RANGE[0]:
+                if fits(SIGMA_RANGE[0]):
+                    return SIGMA_RANGE[0]
+                low = SIGMA_RANGE[0]
         else:
-            bad = trial
-    while bad - good > 1:
-        middle = (good + bad) // 2
-        if fits(middle):
-            good = middle
+            low = sigma
+            if high is not None:
+                break
+            value = known[sigma]
+            aim = sigma * value / epsilon * 1.05 if math.isfinite(value) else sigma * 64
+            sigma = min(max(aim, sigma * (1 + rel_tolerance)), sigma * 64)
+            if sigma > SIGMA_RANGE[1]:
+                if not fits(SIGMA_RANGE[1]):
+                    raise PrivacyBudgetError(
+                        "epsilon",
+                        f"even noise multiplier {SIGMA_RANGE[1]:g} does not fit epsilon={epsilon} at delta={delta} "
+                        f"over {steps} steps",
+                    )
+                high = SIGMA_RANGE[1]
+    stalls = 0
+    while high / low > done:
+        ratio = high / low
+        prediction = _inverse_interpolate(known, epsilon)
+        point = math.sqrt(low * high) if prediction is None else prediction[0]
+        # Just above the predicted crossing (so it likely fits), then a tolerance below (so that likely does not).
+        probe = min(max(point * (1 + rel_tolerance / 2), low * (1 + rel_tolerance / 4)), high / (1 + rel_tolerance / 4))
+        if fits(probe):
+            high = probe
+            below = high / (1 + rel_tolerance)
+            if below > low and high / low > done:
+                if fits(below):
+                    high = below
+                else:
+                    low = below
         else:
-            bad = middle
-    return good
+            low = probe
+        stalls = stalls + 1 if high / low > math.sqrt(ratio) else 0
+        if stalls >= 2 and high / low > done:  # interpolation is not converging: bisect in log space
+            stalls, middle = 0, math.sqrt(low * high)
+            if fits(middle):
+                high = middle
+            else:
+                low = middle
+    return high
