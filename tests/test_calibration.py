@@ -102,15 +102,7 @@ GRID = [  # (event, epsilon): Poisson steps at several rates/noises, Algorithm 3
 
 @pytest.mark.parametrize("mechanism", ["rdp", "pld"])
 def test_max_steps_matches_the_exact_answer_on_a_grid_with_few_evaluations(mechanism, monkeypatch):
-    import dporl.privacy.calibration as calibration
-
-    calls = []
-
-    def counting(events, delta, analysis):
-        calls.append(analysis)
-        return epsilon_for(events, delta, analysis)
-
-    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    calls = _counting(monkeypatch)
     grid = GRID if mechanism == "rdp" else GRID[::2]  # PLD evaluations cost more: every other point
     for event, epsilon in grid:
         calls.clear()
@@ -122,7 +114,7 @@ def test_max_steps_matches_the_exact_answer_on_a_grid_with_few_evaluations(mecha
         assert len(calls) <= 8, (event, epsilon, n, len(calls))
 
 
-def test_max_steps_with_prv_is_searched_with_pld_and_verified_under_prv(monkeypatch):
+def _counting(monkeypatch):
     import dporl.privacy.calibration as calibration
 
     calls = []
@@ -132,55 +124,37 @@ def test_max_steps_with_prv_is_searched_with_pld_and_verified_under_prv(monkeypa
         return epsilon_for(events, delta, analysis)
 
     monkeypatch.setattr(calibration, "epsilon_for", counting)
-    # Many steps: PRV is the tighter analysis, and confirms PLD's count with a single PRV evaluation.
-    event = PoissonGaussianEvent(1.0, 1e-3)
-    n = max_steps(event, 1.0, DELTA, mechanism="prv")
-    assert n == max_steps(event, 1.0, DELTA, mechanism="pld") > 10_000
-    assert epsilon_for([(event, n)], DELTA, "prv") <= 1.0  # fits the analysis the run reports
-    assert calls.count("prv") == 1
-    # Few steps: PRV's bound is the looser one here, so PLD's count is walked down with PRV to PRV's own answer.
-    event = PoissonGaussianEvent(1.0, 0.01)
-    n = max_steps(event, 1.0, DELTA, mechanism="prv")
-    assert n < max_steps(event, 1.0, DELTA, mechanism="pld")
-    assert epsilon_for([(event, n)], DELTA, "prv") <= 1.0 < epsilon_for([(event, n + 1)], DELTA, "prv")
+    return calls
+
+
+def test_max_steps_with_prv_is_prvs_exact_answer_from_few_prv_evaluations(monkeypatch):
+    calls = _counting(monkeypatch)
+    # Many steps (PRV the tighter analysis) and few (PRV the looser one): either way PRV's own exact answer.
+    for event, epsilon in [(PoissonGaussianEvent(1.0, 1e-3), 1.0), (PoissonGaussianEvent(1.0, 0.01), 1.0)]:
+        calls.clear()
+        n = max_steps(event, epsilon, DELTA, mechanism="prv")
+        assert epsilon_for([(event, n)], DELTA, "prv") <= epsilon < epsilon_for([(event, n + 1)], DELTA, "prv")
+        assert n != max_steps(event, epsilon, DELTA, mechanism="pld")  # a different analysis, a different answer
+        # The PRV search starts from PLD's answer: a handful of PRV evaluations (doubling + bisection: 2 log2 n).
+        assert calls.count("prv") <= 6, calls
     with pytest.raises(ValidationError, match="PRV"):
         max_steps(MixtureEvent(0.5, event), 1.0, DELTA, mechanism="prv")
 
 
-def test_calibrated_sigma_under_prv_is_searched_with_pld_and_verified_under_prv(monkeypatch):
-    import dporl.privacy.calibration as calibration
-
-    calls = []
-
-    def counting(events, delta, analysis):
-        calls.append(analysis)
-        return epsilon_for(events, delta, analysis)
-
-    monkeypatch.setattr(calibration, "epsilon_for", counting)
-    # Many steps: PRV is tighter and confirms PLD's sigma (the smallest under PLD, to 1e-3) in one evaluation.
-    sigma = calibrate_noise_multiplier(1.0, DELTA, 20_000, make_event=lambda s: PoissonGaussianEvent(s, 1e-3),
-                                       mechanism="prv")
-    assert epsilon_for([(PoissonGaussianEvent(sigma, 1e-3), 20_000)], DELTA, "prv") <= 1.0
-    assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, 1e-3), 20_000)], DELTA, "pld") > 1.0
-    assert calls.count("prv") == 1
-    # Few steps: PRV is looser, so sigma is raised with PRV until PRV confirms it (then smallest under PRV).
-    sigma = calibrate_noise_multiplier(2.0, DELTA, 500, make_event=lambda s: PoissonGaussianEvent(s, 0.02),
-                                       mechanism="prv")
-    assert epsilon_for([(PoissonGaussianEvent(sigma, 0.02), 500)], DELTA, "prv") <= 2.0
-    assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, 0.02), 500)], DELTA, "prv") > 2.0
+def test_calibrated_sigma_under_prv_is_prvs_smallest_from_few_prv_evaluations(monkeypatch):
+    calls = _counting(monkeypatch)
+    for rate, steps, target in [(1e-3, 20_000, 1.0), (0.02, 500, 2.0)]:
+        calls.clear()
+        sigma = calibrate_noise_multiplier(target, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
+                                           mechanism="prv")
+        assert epsilon_for([(PoissonGaussianEvent(sigma, rate), steps)], DELTA, "prv") <= target
+        assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, rate), steps)], DELTA, "prv") > target
+        assert calls.count("prv") <= 6, calls
 
 
 @pytest.mark.parametrize("mechanism", ["rdp", "pld"])
 def test_sigma_search_uses_few_evaluations(mechanism, monkeypatch):
-    import dporl.privacy.calibration as calibration
-
-    calls = []
-
-    def counting(events, delta, analysis):
-        calls.append(analysis)
-        return epsilon_for(events, delta, analysis)
-
-    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    calls = _counting(monkeypatch)
     for rate, steps, target in [(0.05, 100, 3.0), (0.01, 2000, 1.0), (0.256, 50, 8.0)]:
         calls.clear()
         sigma = calibrate_noise_multiplier(target, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),

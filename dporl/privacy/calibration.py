@@ -13,10 +13,9 @@ coordinates (epsilon is smooth in n), with a bisection whenever interpolation st
 typically 2-6 evaluations of the requested analysis, against 34 for doubling and bisection at 10^5 steps. ``calibrate_noise_multiplier`` interpolates log epsilon against
 log sigma the same way.
 
-PRV (Opacus' accountant, seconds per evaluation at 10^5 steps) is searched with PLD and verified with PRV: the
-answer is the PLD search's, checked to fit under PRV with one PRV evaluation (walked further, with PRV, only if it
-does not). Both are upper bounds on the true epsilon, so the step count is sound and the run's report states PRV's
-epsilon; PRV's own largest step count can be slightly larger (PLD's discretisation is pessimistic).
+PRV (Opacus' accountant, about a second per evaluation at 10^5 steps) is searched with PLD first (milliseconds per
+evaluation), and the PLD answer is the starting guess of the same search run with PRV: PRV's exact answer in a
+few PRV evaluations (4-6, against 34 for doubling and bisection), never PLD's answer passed off as PRV's.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def _check_budget(epsilon: float, delta: float) -> None:
 
 
 def _search_mechanism(mechanism: Mechanism) -> Mechanism:
-    """The analysis a search runs: PRV is searched with PLD, then verified with PRV (see the module docstring)."""
+    """The analysis of the first search: PLD stands in for PRV, whose own search then starts from PLD's answer."""
     return "pld" if mechanism == "prv" else mechanism
 
 
@@ -161,7 +160,7 @@ def max_steps(
 
     ``limit`` caps the search (the answer is then min(limit, n)); without it an event that spends nothing, or a
     budget allowing more than 10^9 steps, is an error rather than an endless search. With ``mechanism="prv"`` the
-    answer is the PLD answer verified to fit under PRV (see the module docstring).
+    PRV search starts from the PLD answer (see the module docstring).
     """
     _check_budget(epsilon, delta)
     limit = None if limit is None else check_count("limit", limit)
@@ -181,11 +180,10 @@ def max_steps(
 
     guess = rdp_step_guess(event, epsilon, delta) or 1
     found = _largest_fitting(spent_by(search), epsilon, cap, guess)
+    if mechanism == "prv":  # the same search with PRV, from PLD's answer: a guess within a few percent
+        found = _largest_fitting(spent_by("prv"), epsilon, cap, max(found, 1))
     if found == cap and limit is None:
         raise ValidationError("epsilon", f"the budget allows more than {cap} steps of {event}; set a step cap")
-    if mechanism == "prv" and found > 0:
-        # Verified with the analysis the run reports; walked down with PRV only if PLD's count does not fit it.
-        found = _largest_fitting(spent_by("prv"), epsilon, found, found)
     return found
 
 
@@ -202,7 +200,7 @@ def calibrate_noise_multiplier(
     """Smallest noise multiplier (to ``rel_tolerance``) such that ``steps`` events fit (epsilon, delta).
 
     ``make_event(sigma)`` builds the per-step event for a noise multiplier (e.g. a batch source's ``step_event``).
-    With ``mechanism="prv"`` the search runs with PLD and the answer is verified (raised if needed) with PRV.
+    With ``mechanism="prv"`` the PRV search starts from the PLD answer (see the module docstring).
     """
     _check_budget(epsilon, delta)
     steps = check_count("steps", steps, minimum=1)
@@ -221,8 +219,7 @@ def calibrate_noise_multiplier(
         if event is not None and not isinstance(event, PoissonGaussianEvent):
             epsilon_for([(event, 1)], delta, mechanism)  # raises the PRV accountant's named refusal
     sigma = _smallest_fitting_sigma(spent_by(_search_mechanism(mechanism)), epsilon, delta, steps, rel_tolerance)
-    if mechanism == "prv" and not within_budget(spent_by("prv")(sigma), epsilon):
-        # PRV does not confirm PLD's answer (rare: PRV is usually the tighter): raise sigma until it does.
+    if mechanism == "prv":
         sigma = _smallest_fitting_sigma(spent_by("prv"), epsilon, delta, steps, rel_tolerance, start=sigma)
     return sigma
 
