@@ -33,3 +33,15 @@ def test_moments_match_the_distributions():
     # Laplace tail: P(|X| > t) = exp(-t / b)
     tail = float((lap.abs() > 4.0).double().mean())
     assert abs(tail - math.exp(-2.0)) < 4 * math.sqrt(math.exp(-2.0) / n)
+
+
+def test_gaussian_like_draws_one_stream_in_parameter_order_without_copies():
+    from dporl.privacy.randomness import SecretRoot
+
+    shapes = [(300, 4), (300,), (2, 300), (2,)]
+    params = [torch.empty(shape) for shape in shapes]
+    draws = SecretRoot(11).noise("train/noise").gaussian_like(params, 0.5)
+    assert [d.shape for d in draws] == [p.shape for p in params]
+    flat = SecretRoot(11).noise("train/noise").gaussian(sum(p.numel() for p in params), 0.5)
+    torch.testing.assert_close(torch.cat([d.flatten() for d in draws]), flat, rtol=0, atol=0)  # same stream, in order
+    assert len({d.untyped_storage().data_ptr() for d in draws}) == 1  # views of one buffer: nothing copied

@@ -232,7 +232,9 @@ class ExpertSet(nn.Module):
 def sample_from_log_probs(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Inverse-CDF sampling of one action per row of ``log_probs[..., n_actions]`` (one uniform per row)."""
     cdf = log_probs.exp().cumsum(dim=-1)
-    uniform = torch.rand(cdf.shape[:-1], generator=generator, dtype=cdf.dtype, device=cdf.device).unsqueeze(-1)
+    # Drawn where the (secret, CPU) generator lives, then moved: a CPU generator cannot fill an accelerator tensor.
+    uniform = torch.rand(cdf.shape[:-1], generator=generator, dtype=cdf.dtype, device=generator.device)
+    uniform = uniform.to(cdf.device).unsqueeze(-1)
     # Scale by the total so float rounding in the cumulative sum never leaves mass past the last action.
     actions = (cdf < uniform * cdf[..., -1:]).sum(dim=-1)
     return actions.clamp_(max=log_probs.shape[-1] - 1)

@@ -60,6 +60,7 @@ from dporl.train.export import save_policy
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer, plan_privacy
 from dporl.utils.config import from_dict, to_dict
+from dporl.utils.device import resolve_device
 from dporl.utils.io import atomic_write_json
 from dporl.utils.seeding import seeded
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
@@ -288,6 +289,7 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
     Every check (config hash, input hashes, data, evaluation environment, network sizes) happens before the first
     write; a finished run with the same provenance is read back, not repeated.
     """
+    device = resolve_device(config.trainer.device, "trainer.device")  # a named error before any write
     run = RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode)
     if config.data.generate is not None:
         replaced = run.root if run.mode == "overwrite" and run.existing else None
@@ -296,6 +298,8 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
     budgets = config.stage_budgets()
     # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
     dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
+    if experts is not None:  # the release evaluates the experts where the trainer runs (trainer.device)
+        experts.to(device)
     meta = dataset.metadata
     if len(meta.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")

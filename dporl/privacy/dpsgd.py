@@ -340,11 +340,12 @@ class DPSGDEngine:
             raise ValidationError("unit_index", f"n_units must be >= 0, got {n_units}")
         if layout is not None and not isinstance(layout, RowLayout):
             raise ValidationError("layout", f"expected a samplers.RowLayout, got {type(layout).__name__}")
-        trusted = layout is not None and layout.rows_per_unit is not None
-        if trusted and (len(row_losses) % layout.rows_per_unit or len(row_losses) > layout.rows_per_unit * n_units):
-            raise ValidationError("layout", f"{len(row_losses)} rows are not blocks of {layout.rows_per_unit} rows")
-        if not trusted and len(unit_index):
+        blocks = None if layout is None else layout.rows_per_unit  # equal contiguous blocks: no ids needed at all
+        if blocks is not None and (len(row_losses) % blocks or len(row_losses) > blocks * n_units):
+            raise ValidationError("layout", f"{len(row_losses)} rows are not blocks of {blocks} rows")
+        if blocks is None:
             unit_index = unit_index.to(row_losses.device).long()
+        if layout is None and len(unit_index):  # ids from user code: checked (one synchronisation)
             bounds = torch.stack([unit_index.min(), unit_index.max()]).tolist()
             if bounds[0] < 0 or bounds[1] >= n_units:
                 raise ValidationError("unit_index", f"unit ids must lie in [0, {n_units})")
@@ -356,9 +357,9 @@ class DPSGDEngine:
             self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std)
             return self.last_stats
         if self.mode in ("bookkeeping", "ghost"):
-            if trusted:
-                units = _UnitLayout(n_units, layout.rows_per_unit, True)
-                weights = 1.0 / layout.rows_per_unit  # the unit's loss is the mean over its rows
+            if blocks is not None:
+                units = _UnitLayout(n_units, blocks, True)
+                weights = 1.0 / blocks  # the unit's loss is the mean over its rows
             else:
                 counts = torch.bincount(unit_index, minlength=n_units)
                 units = _UnitLayout.build(unit_index, counts)
@@ -367,7 +368,7 @@ class DPSGDEngine:
             self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std, sq_norms=sq_norms)
             return self.last_stats
         else:
-            unit_index = unit_index.to(row_losses.device).long()
+            unit_index = unit_index.to(row_losses.device).long()  # (per-sample modes always index by unit)
             counts = torch.bincount(unit_index, minlength=n_units)
             weights = 1.0 / counts[unit_index].to(row_losses.dtype)
             if self.mode == "naive":

@@ -49,20 +49,18 @@ class NoiseSource:
         return torch.randn(shape, generator=self._generator, dtype=dtype).mul_(std)
 
     def gaussian_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
-        """Fresh N(0, std^2) tensors shaped, typed and placed like ``tensors``, drawn in their order.
+        """Fresh N(0, std^2) tensors shaped, typed and placed like ``tensors`` (e.g. one per parameter).
 
-        On the CPU each is drawn straight into its own new buffer (no flat vector to concatenate, split or copy);
-        on an accelerator one flat CPU draw is moved once and split into views. A subclass that overrides
-        ``gaussian`` (e.g. exact discrete noise) is always drawn through it.
+        One draw of the total size, split into views (no concatenation, no copy on the CPU; one transfer to an
+        accelerator), so the values are the same whatever device the tensors live on, and a subclass that
+        overrides ``gaussian`` (e.g. exact discrete noise) is drawn through it.
         """
-        std = check_positive("noise.std", std, allow_zero=True)
         if not tensors:
             return []
-        if type(self).gaussian is NoiseSource.gaussian and all(t.device.type == "cpu" for t in tensors):
-            generator = self._generator
-            return [torch.normal(0.0, std, t.shape, generator=generator, dtype=t.dtype) for t in tensors]
         sizes = [t.numel() for t in tensors]
-        flat = self.gaussian(sum(sizes), std, dtype=tensors[0].dtype).to(tensors[0].device, non_blocking=True)
+        flat = self.gaussian(sum(sizes), std, dtype=tensors[0].dtype)
+        if tensors[0].device.type != "cpu":
+            flat = flat.to(tensors[0].device, non_blocking=True)
         return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split(sizes), tensors)]
 
     def laplace(self, shape: Sequence[int] | int, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
