@@ -47,19 +47,19 @@ def trajectory_pool(pool: int, tau: int, n: int, generator: torch.Generator) -> 
 
 def iterations_per_second(gradient, pool, n: int, repeats: int, warmup: int) -> float:
     model = _Params(n)
-    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, noise=NoiseSource(0),
-                         mode="naive")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
-    for i in range(warmup + repeats):
-        terms = pool[i % len(pool)]
-        start = time.perf_counter()
-        with torch.no_grad():
-            directions = gradient(terms, model.theta, model.w, 0.99)
-        engine.write_gradients(engine.private_direction(directions))
-        optimizer.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    with DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, noise=NoiseSource(0),
+                     mode="naive") as engine:
+        for i in range(warmup + repeats):
+            terms = pool[i % len(pool)]
+            start = time.perf_counter()
+            with torch.no_grad():
+                directions = gradient(terms, model.theta, model.w, 0.99)
+            engine.write_gradients(engine.private_direction(directions))
+            optimizer.step()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
     return 1.0 / statistics.median(times)
 
 
