@@ -21,6 +21,7 @@ against a PRV search by doubling + bisection.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -68,7 +69,9 @@ def doubling_max_steps(event, epsilon: float, mechanism: str, counter: Counter) 
     return good
 
 
-def dporl_max_steps(event, epsilon: float, mechanism: str, counter: Counter) -> int:
+@contextlib.contextmanager
+def counting_evaluations(counter: Counter):
+    """Counts the accountant evaluations dporl's calibration makes."""
     import dporl.privacy.calibration as calibration
 
     original = calibration.epsilon_for
@@ -79,9 +82,14 @@ def dporl_max_steps(event, epsilon: float, mechanism: str, counter: Counter) -> 
 
     calibration.epsilon_for = counting
     try:
-        return max_steps(event, epsilon, DELTA, mechanism=mechanism)
+        yield
     finally:
         calibration.epsilon_for = original
+
+
+def dporl_max_steps(event, epsilon: float, mechanism: str, counter: Counter) -> int:
+    with counting_evaluations(counter):
+        return max_steps(event, epsilon, DELTA, mechanism=mechanism)
 
 
 def dp_accounting_max_steps(event, epsilon: float, mechanism: str, counter: Counter) -> int:
@@ -123,20 +131,9 @@ def bisection_sigma(epsilon: float, steps: int, rate: float, mechanism: str, cou
 
 
 def dporl_sigma(epsilon: float, steps: int, rate: float, mechanism: str, counter: Counter) -> float:
-    import dporl.privacy.calibration as calibration
-
-    original = calibration.epsilon_for
-
-    def counting(events, delta, analysis):
-        counter.calls += 1
-        return original(events, delta, analysis)
-
-    calibration.epsilon_for = counting
-    try:
+    with counting_evaluations(counter):
         return calibrate_noise_multiplier(epsilon, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
                                           mechanism=mechanism)
-    finally:
-        calibration.epsilon_for = original
 
 
 def measure(methods: dict[str, Callable[[Counter], float]], rounds: int) -> dict[str, tuple[list[float], float, int]]:
