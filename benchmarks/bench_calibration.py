@@ -10,7 +10,7 @@ largest step count that fits, each from cold caches (imports done once before), 
   same discretisation (1e-3) and adjacency (add/remove), bracketing from [1, 2] by doubling gaps.
 
 Prints the step count each found (dporl's is verified: it fits and one more step does not), the number of
-accountant evaluations, and the median (min-max) seconds over rounds with the ratio to dporl. Also: the noise
+accountant evaluations, and the median (min-max) CPU seconds over rounds with the ratio to dporl. Also: the noise
 multiplier search (dporl vs bisection), and ``accountant: prv`` (a PLD search whose answer starts the PRV search)
 against a PRV search by doubling + bisection.
 
@@ -145,9 +145,9 @@ def measure(methods: dict[str, Callable[[Counter], float]], rounds: int) -> dict
         for name in names[shift:] + names[:shift]:
             clear_caches()
             counter = Counter()
-            start = time.perf_counter()
+            start = time.process_time()  # CPU time: on a shared machine wall time counts the neighbours too
             answer = methods[name](counter)
-            seconds = time.perf_counter() - start
+            seconds = time.process_time() - start
             times = results.get(name, ([], answer, counter.calls))[0]
             results[name] = (times + [seconds], answer, counter.calls)
     return results

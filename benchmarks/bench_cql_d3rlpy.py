@@ -6,7 +6,8 @@ batch 256, Adam at lr 1e-3, double-DQN target with a hard copy every 500 steps, 
 0.99, one torch thread. dporl runs its trainer's step (``build_optimizer``: fused Adam) in this process; d3rlpy runs
 in a subprocess of another interpreter (d3rlpy pins gymnasium 1.0, so it is never a dependency of dporl:
 install it in its own environment, e.g. ``python3 -m venv /work/venv-d3rlpy && /work/venv-d3rlpy/bin/pip install
-torch d3rlpy``). Rounds alternate between the two sides so that machine load affects both.
+torch d3rlpy``). Rounds alternate between the two sides so that machine load affects both, and each side
+reports the CPU time of its own process (on a shared machine wall time also counts the neighbours' work).
 
 Two measures per side:
 - ``update``: one gradient update from a batch already in the library's own format (dporl ``Batch``; d3rlpy
@@ -68,10 +69,10 @@ def d3rlpy_worker() -> None:
     print(json.dumps({"ready": d3rlpy.__version__, "torch": torch.__version__}), file=channel, flush=True)
     for line in sys.stdin:
         kind, steps = line.split()
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(int(steps)):
             algo.update(dataset.sample_transition_batch(BATCH) if kind == "sample" else fixed)
-        print(json.dumps({"seconds": (time.perf_counter() - start) / int(steps)}), file=channel, flush=True)
+        print(json.dumps({"seconds": (time.process_time() - start) / int(steps)}), file=channel, flush=True)
 
 
 class D3rlpySide:
@@ -131,10 +132,10 @@ class DporlSide:
         self.model.on_step_end(self.step_count)
 
     def run(self, kind: str, steps: int) -> float:
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(steps):
             self.step(self.source.sample(self.generator) if kind == "sample" else self.fixed)
-        return (time.perf_counter() - start) / steps
+        return (time.process_time() - start) / steps
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ Setup (the issue's target): discrete CQL on a ReLU Q-network (2 x 256 by default
 it) for every mode, so the ratio compares like with like. Every mode gets its own fresh copy of one initial
 network, its own optimizer and its own engine (closed afterwards: no hooks survive into the next mode).
 
-Rounds interleave the modes (in a rotating order), each mode timing a block of steps per round, so that machine
-load affects every mode alike; a ratio is computed per round against the non-private step of the same round and
+Times are CPU seconds of this process (one torch thread; wall seconds on CUDA). Rounds interleave the modes (in a
+rotating order), each mode timing a block of steps per round, so that machine load affects every mode alike; a ratio is computed per round against the non-private step of the same round and
 the same rows, and the median and min-max over rounds are printed. ``--quick`` only has fewer rounds: it is built
 the same way, so a ratio below 1 there is noise of the estimate, not an artefact of the order.
 
@@ -134,13 +134,20 @@ def synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device):
+    """CPU time of this process on the CPU (on a shared machine wall time also measures the neighbours'
+    work: preemption, not the step); wall time on an accelerator, whose work is not this process's CPU time."""
+    return time.perf_counter if device.type == "cuda" else time.process_time
+
+
 def time_block(mode: Mode, steps: int, device: torch.device) -> float:
+    now = clock(device)
     synchronise(device)
-    start = time.perf_counter()
+    start = now()
     for _ in range(steps):
         mode.step()
     synchronise(device)
-    return (time.perf_counter() - start) / steps
+    return (now() - start) / steps
 
 
 def measure(modes: list[Mode], rounds: int, block_seconds: float, device: torch.device) -> dict[str, list[float]]:
@@ -170,7 +177,7 @@ def report(modes: list[Mode], times: dict[str, list[float]]) -> list[tuple[str, 
 
 def print_rows(rows, header: str) -> None:
     print(header)
-    print(f"{'mode':52s} {'ms/step':>8s} {'ratio (median)':>15s} {'min-max over rounds':>20s}")
+    print(f"{'mode':52s} {'ms/step':>8s} {'ratio (median)':>15s} {'min-max over rounds':>20s}  (CPU time)")
     for name, ms, ratio, low, high in rows:
         print(f"{name:52s} {ms:8.3f} {ratio:14.3f}x {low:9.3f}-{high:.3f}x")
 

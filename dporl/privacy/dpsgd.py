@@ -236,12 +236,18 @@ def _ghost_sq_norms(
         return out.addcmul_(g_sq, a_sq)
     pa, pg = layout.group(a), layout.group(g)
     k, d_in, d_out = pa.shape[1], pa.shape[2], pg.shape[2]
-    if k * (d_in + d_out) < d_in * d_out:  # Gram products are cheaper than forming the unit gradients
-        sq = ((pg @ pg.transpose(1, 2)) * (pa @ pa.transpose(1, 2))).sum((1, 2))
+    # ||sum_i g_i [a_i, 1]^T||^2 = sum_ij (g_i . g_j)(a_i . a_j + 1): k x k Gram products per unit (the bias is the
+    # weight of a constant input 1) cost k^2 (d_in + d_out); forming the unit gradients costs k d_in d_out and
+    # three passes over them, so Gram products win unless units own very many rows.
+    if k * (d_in + d_out) < 4 * d_in * d_out:
+        gram_a = pa @ pa.transpose(1, 2)
+        if has_bias:
+            gram_a += 1.0
+        sq = ((pg @ pg.transpose(1, 2)) * gram_a).sum((1, 2))
     else:
-        sq = torch.einsum("uko,uki->uoi", pg, pa).pow(2).sum((1, 2))
-    if has_bias:
-        sq = sq + pg.sum(1).pow(2).sum(1)
+        sq = torch.einsum("uko,uki->uoi", pg, pa).square().sum((1, 2))
+        if has_bias:
+            sq += pg.sum(1).square().sum(1)
     return sq if out is None else out.add_(sq)
 
 
