@@ -19,13 +19,18 @@ vs uniform rows for the non-private step).
     python benchmarks/bench_dpsgd.py --sweep         # book-keeping vs non-private, batch 64-1024, 2x256 and 3x512
     python benchmarks/bench_dpsgd.py --quick         # smoke test (seconds)
     python benchmarks/bench_dpsgd.py --device cuda   # on a GPU (times synchronise the device)
+    python benchmarks/bench_dpsgd.py --sweep --before-engine OLD/dporl/privacy/dpsgd.py
+                                                     # also an older engine with plain Adam (before/after)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import inspect
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -106,6 +111,47 @@ class Setup:
 
         name = f"non-private ({self.batch * k} rows)" + (" + sampling" if sampling else "")
         return Mode(name, k, name, step)
+
+    def before(self, engine_file: str, k: int) -> list[Mode]:
+        """Another ``dpsgd.py`` (e.g. a previous release's) with plain Adam, as that release's trainer built it: its
+        non-private step and its book-keeping DP step, so that before and after are timed in the same rounds."""
+        spec = importlib.util.spec_from_file_location("before_dpsgd", engine_file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["before_dpsgd"] = module
+        spec.loader.exec_module(module)
+        modes = []
+        for private in (False, True):
+            model = copy.deepcopy(self.initial).to(self.device)
+            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+            batch = self.batches[k]
+            baseline = f"before: non-private ({self.batch * k} rows)"
+            if not private:
+                def step(model=model, optimizer=optimizer, batch=batch):
+                    optimizer.zero_grad(set_to_none=True)
+                    model.row_losses(batch).mean().backward()
+                    optimizer.step()
+
+                modes.append(Mode(baseline, k, baseline, step))
+                continue
+            engine = module.DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                                        expected_batch_size=self.batch, noise=SecretRoot().noise("before/noise"))
+            takes_layout = "layout" in inspect.signature(engine.private_backward).parameters
+
+            def step(model=model, optimizer=optimizer, batch=batch, engine=engine):
+                optimizer.zero_grad(set_to_none=True)
+                extra = {"layout": batch.layout} if takes_layout else {}
+                engine.private_backward(model.row_losses(batch), batch.unit_index, batch.n_units, **extra)
+                optimizer.step()
+
+            def close(engine=engine):
+                if hasattr(engine, "close"):
+                    engine.close()
+                else:  # an engine without close(): remove its tape's hooks by hand
+                    for handle in engine._tape.handles:
+                        handle.remove()
+
+            modes.append(Mode(f"before: bookkeeping (rows/unit={k})", k, baseline, step, close))
+        return modes
 
     def private(self, mode: str, k: int, noise: str = "secret", sampling: bool = False) -> Mode:
         model, optimizer = self.fresh()
@@ -192,6 +238,8 @@ def run_main(args, device: torch.device) -> None:
         setup.private("bookkeeping", 1, "secret", sampling=True),
         setup.private("ghost", 1),
     ]
+    if args.before_engine:
+        modes += setup.before(args.before_engine, 1) + setup.before(args.before_engine, 4)
     if not args.fast_modes_only:
         modes += [setup.private("opacus", 1), setup.private("naive", 1)]
     fast = [m for m in modes if not m.slow]
@@ -214,17 +262,26 @@ def run_main(args, device: torch.device) -> None:
 def run_sweep(args, device: torch.device) -> None:
     print(f"torch {torch.__version__}, device={device}, threads={torch.get_num_threads()}; book-keeping DP step "
           f"(rows/unit=1, secret noise) / non-private step, {args.rounds} interleaved rounds each")
-    print(f"{'net':>8s} {'batch':>6s} {'non-private ms':>15s} {'DP ms':>8s} {'ratio (median)':>15s} {'min-max':>14s}")
+    before = "  before: ratio (min-max), DP time after/before" if args.before_engine else ""
+    print(f"{'net':>8s} {'batch':>6s} {'non-private ms':>15s} {'DP ms':>8s} {'ratio (median)':>15s} {'min-max':>14s}"
+          + before)
     for hidden in ([256, 256], [512, 512, 512]):
         for batch in (64, 256, 1024):
             setup = Setup(args, hidden, batch, device)
             modes = [setup.non_private(1), setup.private("bookkeeping", 1, "secret")]
+            if args.before_engine:
+                modes += setup.before(args.before_engine, 1)
             times = measure(modes, args.rounds, args.block_seconds, device)
-            (_, base_ms, *_), (_, ms, ratio, low, high) = report(modes, times)
+            rows = report(modes, times)
+            (_, base_ms, *_), (_, ms, ratio, low, high) = rows[:2]
+            line = f"{len(hidden)}x{hidden[0]:<4d} {batch:6d} {base_ms:15.3f} {ms:8.3f} {ratio:14.3f}x {low:6.3f}-{high:.3f}x"
+            if args.before_engine:
+                _, _, before_ratio, before_low, before_high = rows[3]
+                speed = statistics.median(a / b for a, b in zip(times[modes[1].name], times[modes[3].name]))
+                line += f"  {before_ratio:14.3f}x ({before_low:.3f}-{before_high:.3f}) {speed:8.3f}x"
             for mode in modes:
                 mode.close()
-            net = f"{len(hidden)}x{hidden[0]}"
-            print(f"{net:>8s} {batch:6d} {base_ms:15.3f} {ms:8.3f} {ratio:14.3f}x {low:6.3f}-{high:.3f}x")
+            print(line, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -238,6 +295,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--fast-modes-only", action="store_true", help="skip the per-sample modes (opacus, naive)")
+    parser.add_argument("--before-engine", default=None, help="another dpsgd.py to time beside this one (plain Adam)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.rounds is None:

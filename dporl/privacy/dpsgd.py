@@ -228,7 +228,9 @@ def _ghost_sq_norms(
     """Squared norms [groups] of each group's gradient of one Linear layer, from inputs a and output grads g;
     added into ``out`` when given (the sum over layers)."""
     if layout.block and layout.kmax <= 1 and a.dim() == 2:
-        g_sq, a_sq = torch.linalg.vecdot(g, g), torch.linalg.vecdot(a, a)
+        # One reduction pass per tensor (vecdot would write g * g out first: 4x the time at 1024 x 512).
+        g_sq = torch.linalg.vector_norm(g, dim=1).square_()
+        a_sq = torch.linalg.vector_norm(a, dim=1).square_()
         if out is None:
             return torch.addcmul(g_sq, g_sq, a_sq) if has_bias else g_sq.mul_(a_sq)
         if has_bias:
@@ -464,14 +466,15 @@ class DPSGDEngine:
                 g, a = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
                 factor = row_factor.repeat_interleave(steps)
                 factor_column = factor.unsqueeze(1)
-            g_t = g.T
+            if layer.bias is not None and id(layer.bias) in buffers:
+                buffers[id(layer.bias)].addmv_(g.T, factor)
             weight = buffers[id(layer.weight)]
             if g.shape[1] <= a.shape[1]:  # scale the narrower side: (c * G)^T A = G^T (c * A)
-                weight.addmm_((g * factor_column).T, a)
+                # autograd's fresh output gradient is ours to scale in place (no rows x width temporary)
+                scaled = g.mul_(factor_column) if g.is_contiguous() else g * factor_column
+                weight.addmm_(scaled.T, a)
             else:
-                weight.addmm_(g_t, a * factor_column)
-            if layer.bias is not None and id(layer.bias) in buffers:
-                buffers[id(layer.bias)].addmv_(g_t, factor)
+                weight.addmm_(g.T, a * factor_column)
         for p, buffer in zip(self.params, noise):
             p.grad = buffer
 
