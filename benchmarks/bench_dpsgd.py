@@ -5,10 +5,11 @@ Setup (the issue's target): discrete CQL on a ReLU Q-network (2 x 256 by default
 it) for every mode, so the ratio compares like with like. Every mode gets its own fresh copy of one initial
 network, its own optimizer and its own engine (closed afterwards: no hooks survive into the next mode).
 
-Times are CPU seconds of this process (one torch thread; wall seconds on CUDA). Rounds interleave the modes (in a
-rotating order), each mode timing a block of steps per round, so that machine load affects every mode alike; a ratio is computed per round against the non-private step of the same round and
-the same rows, and the median and min-max over rounds are printed. ``--quick`` only has fewer rounds: it is built
-the same way, so a ratio below 1 there is noise of the estimate, not an artefact of the order.
+Times are CPU seconds of this process (one torch thread; wall seconds on CUDA). Rounds interleave the modes (in
+a rotating order), each mode timing a block of steps per round, so that machine load affects every mode alike; a
+ratio is computed per round against the non-private step of the same round and the same rows, and the median and
+min-max over rounds are printed. ``--quick`` only has fewer rounds: it is built the same way, so a ratio below 1
+there is noise of the estimate, not an artefact of the order.
 
 Rows: "secret noise" draws the noise from a ``SecretRoot`` stream (full 19968-bit MT19937 state, as the trainer
 does), "seeded noise" from ``torch.Generator().manual_seed(0)``: same sampler, so the difference measures the cost

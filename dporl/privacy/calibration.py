@@ -8,10 +8,10 @@ the privacy loss) and falls with sigma.
 
 Few evaluations. An analysis of 10^6 composed steps costs tens of milliseconds (PLD) to seconds (PRV), so the
 searches do not double and bisect. ``max_steps`` starts from the RDP answer, which is closed-form per Renyi order
-(n_a = (epsilon - conversion_a) / RDP_a(event)), then brackets and interpolates epsilon as a power of n in log-log
-coordinates (epsilon is smooth in n), with a bisection whenever interpolation stops halving the bracket;
-typically 2-6 evaluations of the requested analysis, against 34 for doubling and bisection at 10^5 steps. ``calibrate_noise_multiplier`` interpolates log epsilon against
-log sigma the same way.
+(n_a = (epsilon - conversion_a) / RDP_a(event)), brackets by power-law extrapolation, then predicts the crossing
+by inverse interpolation of log n against log epsilon (epsilon is smooth in n), with a bisection whenever that
+stops halving the bracket: typically 2-6 evaluations of the requested analysis, against 34 for doubling and
+bisection at 10^5 steps. ``calibrate_noise_multiplier`` interpolates log sigma against log epsilon the same way.
 
 PRV (Opacus' accountant, about a second per evaluation at 10^5 steps) is searched with PLD first (milliseconds per
 evaluation), and the PLD answer is the starting guess of the same search run with PRV: PRV's exact answer in a
