@@ -65,7 +65,7 @@ def _trainer(run_dir, device):
     return Trainer(
         _QNet(), _source(), config=TrainerConfig(max_steps=20, device=device, log_every=5, eval_every=10,
                                                  checkpoint_every=10, progress=False),
-        dp=DPConfig(epsilon=5.0, delta=1e-5, noise_multiplier=1.0, noise_seed=7), ledger=PrivacyLedger(),
+        dp=DPConfig(epsilon=5.0, delta=1e-5, noise_multiplier=4.0, noise_seed=7), ledger=PrivacyLedger(),
         run_dir=run_dir, pipeline="toy", pipeline_config={"toy": 1},
         evaluators={"norm": lambda module: {"weight_norm": float(module.net[0].weight.norm())}},
     )
