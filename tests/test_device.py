@@ -1,6 +1,6 @@
 """trainer.device end to end: the device name is checked before anything runs; on CUDA (tests skip without it) the
-engine, the trainer, the stable-prefix release and the evaluation run on the GPU while every secret draw stays on
-its CPU generator."""
+engine, the trainer and the evaluation run on the GPU while every secret draw stays on its CPU generator (the
+release's CUDA test is in test_stable_prefix.py)."""
 
 from __future__ import annotations
 
@@ -127,19 +127,13 @@ def test_cuda_run_reproduces_the_cpu_run_up_to_float_rounding(tmp_path):
 
 
 @cuda
-def test_release_and_evaluation_run_on_cuda():
+def test_evaluation_runs_a_cuda_policy():
+    """(The release on CUDA: tests/test_stable_prefix.py::test_fresh_release_with_experts_on_cuda.)"""
     import gymnasium as gym
 
     from dporl.algos.cql import CQLConfig, DiscreteCQL
     from dporl.eval.returns import evaluate_returns
-    from test_stable_prefix import make_dataset, make_experts, release
 
-    experts = make_experts(40, spread=0.3)
-    dataset = make_dataset(experts, per_expert=2, length=10)
-    cpu = release(dataset, experts, seed=3)
-    gpu = release(dataset, experts.to("cuda"), seed=3)
-    # The same secret draws (CPU generator and noise): the same released prefixes on both devices.
-    assert torch.equal(torch.as_tensor(cpu.prefix_lengths), torch.as_tensor(gpu.prefix_lengths))
     module = DiscreteCQL(4, 2, CQLConfig(hidden_sizes=[16])).cuda()
     env = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     try:
