@@ -270,3 +270,69 @@ def test_trusted_layout_skips_no_check_it_can_do_on_the_host():
     with pytest.raises(ValidationError) as info:
         engine.private_backward(layer(torch.randn(4, 3)).squeeze(1), torch.arange(4), 3, layout=RowLayout(1))
     assert info.value.field == "layout"  # 4 one-row units cannot come from 3 sampled units
+
+def _weighted_reference(model, batch, unit_index, n_units, clip, unit_weights):
+    """Reference for row weights: each unit's own autograd gradient, clipped to ``clip``, THEN times its weight."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total, norms = [torch.zeros_like(p) for p in params], []
+    for u in range(n_units):
+        mask = unit_index == u
+        if not mask.any():
+            continue
+        grads = torch.autograd.grad(model.row_losses(*(t[mask] for t in batch)).mean(), params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        norms.append(float(norm))
+        factor = min(1.0, clip / (float(norm) + 1e-6)) * float(unit_weights[u])
+        for t, g in zip(total, grads):
+            t += factor * g
+    return total, max(norms)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows_per_unit", [1, 3])
+def test_row_weights_scale_each_units_clipped_gradient_in_every_mode(mode, rows_per_unit):
+    torch.manual_seed(2)
+    model = QNet()
+    n_units, clip = 6, 0.4
+    batch = _batch(n_units * rows_per_unit, seed=5)
+    unit_index = torch.arange(n_units).repeat(rows_per_unit)[torch.randperm(n_units * rows_per_unit)]
+    unit_weights = torch.tensor([1.0, -1.0, 0.25, 0.0, -0.6, 0.9])
+    want, max_norm = _weighted_reference(model, batch, unit_index, n_units, clip, unit_weights)
+    engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                         noise=NoiseSource(0), mode=mode)
+    stats = engine.private_backward(model.row_losses(*batch), unit_index, n_units, row_weights=unit_weights[unit_index])
+    got = [p.grad for p in model.parameters() if p.requires_grad]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert stats.max_norm == pytest.approx(max_norm, rel=1e-4)  # statistics: the unweighted norms that were clipped
+
+
+def test_weighted_contributions_differ_by_at_most_the_weight_difference_times_clip():
+    # The sensitivity argument of reward-level Q-learning: same rows, weights w vs w' -> the clipped sums differ by
+    # at most sum_u |w_u - w'_u| C (equality when every unit is clipped and all clipped gradients are parallel).
+    torch.manual_seed(3)
+    model = QNet()
+    batch = _batch(8, seed=7)
+    unit_index = torch.arange(8)
+    w = torch.linspace(-1, 1, 8)
+    w_prime = (w - 0.7).clamp(-1, 1)
+    sums = []
+    engine = DPSGDEngine(model, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=1.0, noise=NoiseSource(0))
+    for weights in (w, w_prime):
+        engine.private_backward(model.row_losses(*batch), unit_index, 8, row_weights=weights)
+        sums.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]))
+    assert float((sums[0] - sums[1]).norm()) <= float((w - w_prime).abs().sum()) * 0.05 * (1 + 1e-5)
+
+
+def test_bad_row_weights_name_their_field():
+    model = QNet()
+    batch = _batch(4)
+    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0, noise=NoiseSource(0))
+    for weights, match in [
+        (torch.tensor([0.5, 1.5, 0.0, 0.0]), "row_weights"),  # |w| > 1 would scale past the clip norm
+        (torch.tensor([0.5, float("nan"), 0.0, 0.0]), "row_weights"),
+        (torch.ones(3), "row_weights"),
+        (torch.tensor([0.5, 0.2, 0.0, 0.0]), "row_weights"),  # rows 0 and 1 form one unit with two weights
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            engine.private_backward(model.row_losses(*batch), torch.tensor([0, 0, 1, 2]), 3, row_weights=weights)

@@ -262,6 +262,30 @@ def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> 
         p.grad = chunk.reshape(p.shape).to(p.dtype).clone()
 
 
+def _unit_values(row_values: torch.Tensor, unit_index: torch.Tensor, n_units: int) -> torch.Tensor:
+    """[n_units] value of each unit from per-row values that are equal within a unit (0 for units without rows)."""
+    return row_values.new_zeros(n_units).scatter_(0, unit_index.to(row_values.device).long(), row_values)
+
+
+def _check_row_weights(row_weights, unit_index, n_units, row_losses, blocks: Optional[int]) -> torch.Tensor:
+    """``row_weights`` as a detached tensor like ``row_losses``: finite, |w| <= 1, one value per unit (one
+    synchronisation for all checks). ``blocks``: units are contiguous blocks of that many rows (``RowLayout``)."""
+    row_weights = torch.as_tensor(row_weights).detach().to(row_losses.device, row_losses.dtype)
+    if row_weights.shape != row_losses.shape:
+        raise ValidationError("row_weights", f"expected shape {tuple(row_losses.shape)}, got {tuple(row_weights.shape)}")
+    bounded = row_weights.abs() <= 1  # False for NaN too
+    if blocks is not None:
+        grouped = row_weights.reshape(-1, blocks)
+        shared = grouped == grouped[:, :1]
+    else:
+        shared = _unit_values(row_weights, unit_index, n_units)[unit_index.to(row_weights.device).long()] == row_weights
+    if not bool(bounded.all() & shared.all()):
+        if not bool(bounded.all()):
+            raise ValidationError("row_weights", "weights must be finite with |w| <= 1 (they scale clipped gradients)")
+        raise ValidationError("row_weights", "the rows of one unit must share one weight")
+    return row_weights
+
+
 class DPSGDEngine:
     """Writes privatised gradients into ``module``'s trainable parameters; the optimizer step stays the caller's.
 
@@ -335,11 +359,18 @@ class DPSGDEngine:
         n_units: int,
         *,
         layout: Optional[RowLayout] = None,
+        row_weights: Optional[torch.Tensor] = None,
     ) -> StepStats:
         """Per-unit clipped, noised, averaged gradient of ``row_losses`` into ``.grad`` of the trainable parameters.
 
         ``layout``: what a library sampler guarantees about ``unit_index`` (``Batch.layout``); with it the ids are
         not checked again. Without it they are checked (one device synchronisation).
+
+        ``row_weights`` (optional, [n_rows], |w| <= 1, equal within a unit) multiply each unit's gradient AFTER it
+        is clipped: the sum is sum_u w_u clip_C(grad of unit u's mean row loss). A unit's contribution is then still
+        at most C in norm, and two weightings differ by at most |w_u - w'_u| C per unit: with row loss Q(s, a) and
+        weight the clipped TD error, this is the semi-gradient of a Huber loss with per-transition Jacobians clipped
+        (reward-level Q-learning, ``dporl.algos.fnq``).
         """
         self._check_open()
         if row_losses.dim() != 1 or unit_index.shape != row_losses.shape:
@@ -357,6 +388,8 @@ class DPSGDEngine:
             bounds = torch.stack([unit_index.min(), unit_index.max()]).tolist()
             if bounds[0] < 0 or bounds[1] >= n_units:
                 raise ValidationError("unit_index", f"unit ids must lie in [0, {n_units})")
+        if row_weights is not None:
+            row_weights = _check_row_weights(row_weights, unit_index, n_units, row_losses, blocks)
         if n_units == 0 or row_losses.numel() == 0:
             if self._tape is not None:
                 self._tape.discard()
@@ -372,7 +405,7 @@ class DPSGDEngine:
                 counts = torch.bincount(unit_index, minlength=n_units)
                 units = _UnitLayout.build(unit_index, counts)
                 weights = 1.0 / counts[unit_index].to(row_losses.dtype)
-            sq_norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost")
+            sq_norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost", row_weights=row_weights)
             self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std, sq_norms=sq_norms)
             return self.last_stats
         else:
@@ -380,9 +413,9 @@ class DPSGDEngine:
             counts = torch.bincount(unit_index, minlength=n_units)
             weights = 1.0 / counts[unit_index].to(row_losses.dtype)
             if self.mode == "naive":
-                sums, norms = self._naive(row_losses, unit_index, n_units, weights)
+                sums, norms = self._naive(row_losses, unit_index, n_units, weights, row_weights)
             else:
-                sums, norms = self._opacus(row_losses, unit_index, n_units, weights)
+                sums, norms = self._opacus(row_losses, unit_index, n_units, weights, row_weights)
             sums = [s.div_(self.expected_batch_size) for s in sums]
             self._write(sums)
         self.last_stats = StepStats(n_units, norms, self.max_grad_norm, self.noise_std)
@@ -432,7 +465,7 @@ class DPSGDEngine:
                 buffer.add_(total)
             p.grad = buffer
 
-    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool) -> torch.Tensor:
+    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool, row_weights=None) -> torch.Tensor:
         records = self._tape.take()
         live = [(layer, a, out) for layer, a, out in records if out is not None]
         if isinstance(weights, float):
@@ -446,6 +479,8 @@ class DPSGDEngine:
                 sq = _ghost_sq_norms(a, g, units, layer.bias is not None, out=sq)
             # Each row's factor: its unit's clip factor, with 1/B (the division by the expected batch) folded in.
             row_factor = units.row_values(self._clip_factors_sq(sq, 1.0 / self.expected_batch_size))
+            if row_weights is not None:  # applied after clipping: each unit's clipped gradient times its weight
+                row_factor = row_factor * row_weights
             if second_pass:
                 with torch.enable_grad():
                     sums = torch.autograd.grad((row_losses * weights * row_factor).sum(), self.params, allow_unused=True)
@@ -478,7 +513,7 @@ class DPSGDEngine:
         for p, buffer in zip(self.params, noise):
             p.grad = buffer
 
-    def _opacus(self, row_losses, unit_index, n_units, weights):
+    def _opacus(self, row_losses, unit_index, n_units, weights, row_weights=None):
         self._clear_grad_samples()
         with warnings.catch_warnings():
             # Opacus' full backward hooks warn when the inputs (observations) need no gradient; expected here.
@@ -493,14 +528,17 @@ class DPSGDEngine:
         self._clear_grad_samples()
         norms = torch.sqrt(sum(u.reshape(n_units, -1).pow(2).sum(1).double() for u in per_unit))
         factors = self._clip_factors(norms).to(row_losses.dtype)
+        if row_weights is not None:
+            factors = factors * _unit_values(row_weights, unit_index, n_units)
         sums = [(u * factors.view(-1, *([1] * (u.dim() - 1)))).sum(0) for u in per_unit]
         for p in self.params:
             p.grad = None
         return sums, norms
 
-    def _naive(self, row_losses, unit_index, n_units, weights):
+    def _naive(self, row_losses, unit_index, n_units, weights, row_weights=None):
         sums = [torch.zeros_like(p) for p in self.params]
         norms = torch.zeros(n_units, dtype=torch.float64)
+        unit_weights = None if row_weights is None else _unit_values(row_weights, unit_index, n_units)
         for unit in range(n_units):
             mask = unit_index == unit
             if not mask.any():
@@ -510,6 +548,8 @@ class DPSGDEngine:
             norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))
             norms[unit] = norm
             factor = float(self._clip_factors(norm))
+            if unit_weights is not None:
+                factor *= float(unit_weights[unit])
             for s, g in zip(sums, grads):
                 s.add_(g, alpha=factor)
         return sums, norms
