@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -35,6 +35,9 @@ class Experiment:
     # Other figures to compare with the bound (e.g. the paper's epsilon for the mixture): NOT guarantees.
     references: dict[str, float] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)  # the mechanism's parameters, for the report
+    # The most trials this audit runs per neighbour (it caps the caller's count), for audits whose every trial is a
+    # whole training run of a real pipeline; None: as many as asked.
+    max_trials: Optional[int] = None
 
 
 @dataclass
@@ -104,6 +107,8 @@ def run_audit(
 
     if trials < 8:
         raise ValidationError("trials", f"need at least 8 trials per neighbour, got {trials}")
+    if experiment.max_trials is not None:
+        trials = min(trials, max(8, experiment.max_trials))
     start = time.perf_counter()
     chunks = [min(experiment.chunk_trials, trials - done) for done in range(0, trials, experiment.chunk_trials)]
     scores = {True: [], False: []}

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 from dporl.audit.dpsgd_audits import dpsgd_step_audit, gpope_audit, gpope_paper_audit, mixture_audit
 from dporl.audit.experiment import Experiment
-from dporl.audit.functional_audits import functional_noise_audit
+from dporl.audit.functional_audits import functional_noise_audit, gaussian_update_audit, paper_attack_audit
 from dporl.audit.ope_audits import private_ope_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
@@ -43,6 +43,8 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "stable_prefix_logged": _stable_prefix_logged,
     "functional_noise": functional_noise_audit,
     "private_ope": private_ope_audit,
+    "fnq_paper_attack": paper_attack_audit,
+    "fnq_gaussian": gaussian_update_audit,
 }
 
 # Settings that break each mechanism on purpose (the power check): the audit must then exceed the claim.
@@ -63,6 +65,8 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "stable_prefix_logged": {"threshold_factor": 0.0, "noise_factor": 1e-3},
     "functional_noise": {"noise_factor": 0.1},
     "private_ope": {"noise_factor": 0.1},
+    "fnq_paper_attack": {},  # refutes the paper's figure as it stands: it objects without any change
+    "fnq_gaussian": {"noise_factor": 0.1},
 }
 
 

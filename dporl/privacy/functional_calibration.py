@@ -1,16 +1,27 @@
-"""Noise calibration for reward-level privacy of Q-learning (Wang & Hegde 2019, seeds/004, Theorem 5).
+"""Noise calibration for reward-level privacy of Q-learning: Theorem 5 of Wang & Hegde 2019 (seeds/004), kept as
+the paper's figure, and the input-perturbation baseline.
 
 Privacy unit "reward": neighbouring reward functions r, r' with sup |r - r'| <= 1; every reward the learner
-observes may differ. Theorem 5: Algorithm 1 (T samples, batch B, SGD learning rate alpha, reset factor J,
-Q-network Lipschitz bound L, tail parameter k) with Gaussian-process noise of scale sigma, kernel
-exp(-beta |x - y|) on [0, 1], is (eps, delta + J exp(-(2k - 8.68 sqrt(beta) sigma)^2 / 2))-DP, where
+observes may differ.
+
+Theorem 5 is the paper's figure, NOT a guarantee. It states that Algorithm 1 (T samples, batch B, SGD learning
+rate alpha, reset factor J, Q-network Lipschitz bound L, tail parameter k) with Gaussian-process noise of scale
+sigma, kernel exp(-beta |x - y|) on [0, 1], is (eps, delta + J exp(-(2k - 8.68 sqrt(beta) sigma)^2 / 2))-DP, where
 
     v = 4 alpha (k + 1) / B,   beta = 1 / v,   C = (v^2 + v) L^2,
     sigma >= sqrt(2 (T / B) ln(e + eps / delta) C) / eps,   provided 2k > 8.68 sqrt(beta) sigma.
 
+The theorem does not cover what Algorithm 1 releases: the rewards reach the network's parameters additively through
+the TD targets (the output biases alone move by alpha per update and per unit of reward shift, whatever L is), and
+an attack that reads only the released network tells r from r + 1 at the theorem's calibration
+(``dporl.audit.functional_audits.paper_attack_audit``). dporl therefore records its figure with
+``PrivacyLedger.paper_claim`` and never as a guarantee; the sound reward-level learners are
+``dporl.algos.fnq.RewardPrivateQLearning`` (public-iterate Gaussian updates, accounted as Gaussian events by the
+ledger) and input perturbation (below).
+
 The second delta term is the probability that one of the J sample paths leaves the band of half-width 2k that the
 proof needs (Lemma 8); the appendix replaces the union bound J p by the exact 1 - (1 - p)^J for J independent
-paths, p = exp(-(2k - 8.68 sqrt(beta) sigma)^2 / 2). Both are reported; the guarantee uses the tighter one.
+paths, p = exp(-(2k - 8.68 sqrt(beta) sigma)^2 / 2). Both are reported; the figure uses the tighter one.
 
 The seed's worked example is NOT reproducible from its own formula. With T = 5000, B = 64, alpha = 3e-4,
 L^2 = 16, eps = 0.9, delta = 1e-4 and k = 23 it states v = 6.19e-5 and sigma ~ 0.313, but 4 alpha (k + 1) / B
@@ -19,26 +30,30 @@ condition fails and nothing is certified. Because sqrt(beta) sigma ~ sqrt(2 (T/B
 does not shrink with v, the condition forces k of order 700 here (``smallest_tail_parameter``) and then
 sigma ~ 20. We implement the theorem as stated and report every term; we do not tune towards 0.313.
 
-Assumptions the code cannot check (stated in every report): the Q-network's Lipschitz constant is at most L,
-states are scaled to [0, 1], and the update is plain SGD with step alpha on the mean loss of B samples (the
-sensitivity argument of the proof is per step and holds whichever B transitions form the batch, so ``updates``
-may differ from T / B when transitions are replayed; T / B is replaced by the number of updates).
+The theorem's premises (stated in every description): the Q-network's Lipschitz constant is at most L, states are
+scaled to [0, 1], and the update is plain SGD with step alpha on the mean loss of B samples (T / B is replaced by
+the number of updates when transitions are replayed).
 
-Also here, for the input-perturbation baseline (Venkitasubramaniam 2013): Gaussian noise on each of n observed
-rewards; n Gaussian releases of sensitivity 1 compose exactly into one Gaussian mechanism of L2 sensitivity
-sqrt(n), calibrated exactly (analytic Gaussian mechanism).
+Also here, for the input-perturbation baseline (Venkitasubramaniam 2013), a sound guarantee: Gaussian noise on each
+of n released rewards; n Gaussian releases of sensitivity 1 compose exactly into one Gaussian mechanism of L2
+sensitivity sqrt(n), calibrated exactly (analytic Gaussian mechanism).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from dporl.privacy.events import ApproxDPEvent
+from dporl.privacy.events import PoissonGaussianEvent
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
-ANALYSIS = "functional noise, Wang & Hegde 2019 Thm 5"
+ANALYSIS = "functional noise, Wang & Hegde 2019 Thm 5 (the paper's figure, NOT a guarantee)"
+PAPER_CLAIM_SOURCE = (
+    "Wang & Hegde 2019, Theorem 5; it does not cover the released network: rewards reach the parameters through "
+    "the TD targets, and dporl.audit's fnq_paper_attack refutes it"
+)
 UNIT = "reward"
 # The constant of Lemma 8 (uniform bound of an Ornstein-Uhlenbeck sample path on [0, 1]).
 PATH_BOUND_CONSTANT = 8.68
@@ -48,7 +63,7 @@ SEED_EXAMPLE_NOTE = (
     "2k > 8.68 sqrt(beta) sigma"
 )
 ASSUMPTIONS = (
-    "Q-network Lipschitz constant <= L (assumed, not enforced)",
+    "Q-network Lipschitz constant <= L",
     "states scaled to [0, 1] (1-D kernel exp(-beta|x-y|))",
     "plain SGD with step alpha on the mean loss of B transitions per update",
 )
@@ -56,7 +71,8 @@ ASSUMPTIONS = (
 
 @dataclass(frozen=True)
 class FunctionalNoiseCalibration:
-    """Every term of Theorem 5 for one configuration; ``epsilon`` / ``delta_total`` is the guarantee."""
+    """Every term of Theorem 5 for one configuration; ``epsilon`` / ``delta_total`` is the paper's figure (NOT a
+    guarantee: record it with ``paper_claim``)."""
 
     epsilon: float
     delta: float  # the mechanism's delta (first term)
@@ -79,8 +95,9 @@ class FunctionalNoiseCalibration:
     unit: str = UNIT
     analysis: str = ANALYSIS
 
-    def event(self) -> ApproxDPEvent:
-        return ApproxDPEvent(self.epsilon, self.delta_total)
+    def paper_claim(self, ledger) -> None:
+        """Record the theorem's (eps, delta) on ``ledger`` as the paper's figure, NOT a guarantee."""
+        ledger.paper_claim("Theorem 5 (functional noise)", self.epsilon, self.delta_total, PAPER_CLAIM_SOURCE)
 
     def to_dict(self) -> dict[str, Any]:
         payload = asdict(self)
@@ -89,11 +106,13 @@ class FunctionalNoiseCalibration:
 
     def describe(self) -> str:
         return (
-            f"({self.epsilon:g}, {self.delta_total:.3g})-DP, unit '{self.unit}' (sup|r - r'| <= 1), {self.analysis}: "
+            f"the paper's figure, NOT a guarantee: ({self.epsilon:g}, {self.delta_total:.3g}), unit '{self.unit}' "
+            f"(sup|r - r'| <= 1), {self.analysis}: "
             f"sigma={self.sigma:.4g} (theorem's minimum {self.sigma_min:.4g}), beta={self.beta:.4g}, v={self.v:.4g}, "
             f"C={self.C:.4g}, T/B={self.updates:g}, k={self.tail_k:g}, J={self.reset_factor}, "
             f"margin 2k - 8.68 sqrt(beta) sigma = {self.tail_margin:.4g}, delta = {self.delta:.3g} + "
-            f"tail {self.delta_tail:.3g} (union bound {self.delta_tail_union:.3g}). Assumes: " + "; ".join(ASSUMPTIONS)
+            f"tail {self.delta_tail:.3g} (union bound {self.delta_tail_union:.3g}). The theorem's premises: "
+            + "; ".join(ASSUMPTIONS)
         )
 
 
@@ -218,6 +237,29 @@ def smallest_tail_parameter(
         else:
             high = mid
     return fits(high)
+
+
+def update_event(noise_multiplier: float) -> PoissonGaussianEvent:
+    """One update of ``RewardPrivateQLearning``: the Gaussian mechanism with noise multiplier z (noise std over the
+    update's L2 sensitivity G s), no sampling amplification (every reward may differ between neighbours)."""
+    return PoissonGaussianEvent(check_positive("noise_multiplier", noise_multiplier), 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def calibrate_update_noise(epsilon: float, delta: float, updates: int, accountant: str = "pld") -> float:
+    """The smallest z (to 0.1%) whose ``updates`` Gaussian updates fit (epsilon, delta) under ``accountant``."""
+    from dporl.privacy.calibration import calibrate_noise_multiplier
+
+    return calibrate_noise_multiplier(epsilon, delta, updates, make_event=update_event, mechanism=accountant)
+
+
+def updates_within_budget(
+    noise_multiplier: float, epsilon: float, delta: float, accountant: str = "pld", limit: Optional[int] = None
+) -> int:
+    """The largest number of Gaussian updates with multiplier z that fits (epsilon, delta) (budget-driven stopping)."""
+    from dporl.privacy.calibration import max_steps
+
+    return max_steps(update_event(noise_multiplier), epsilon, delta, mechanism=accountant, limit=limit)
 
 
 def gaussian_delta(epsilon: float, noise_std: float, sensitivity: float) -> float:

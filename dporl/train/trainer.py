@@ -17,7 +17,9 @@ Privacy randomness: the private sampler and the DP noise are the streams ``"<sta
 they run; on resume every authorised step is charged as recorded, run or not.
 
 An algorithm is an ``nn.Module`` with a ``privacy_unit`` and either
-``row_losses(batch) -> Tensor[n_rows]`` (autograd; the engine clips per unit) or
+``row_losses(batch) -> Tensor[n_rows]`` (autograd; the engine clips per unit), or
+``weighted_row_losses(batch) -> (Tensor[n_rows], Tensor[n_rows])`` (row losses and weights |w| <= 1 that scale each
+unit's gradient after clipping: reward-level Q-learning's clipped-TD semi-gradient), or
 ``unit_directions(batch) -> Tensor[n_units, D]`` (closed-form update directions, e.g. GPOPE), and optionally
 ``on_step_end(step)`` (target-network updates and other post-processing). It never adds noise itself.
 
@@ -151,8 +153,8 @@ class Trainer:
         public_evaluators: Collection[str] = (),
         secret_root: Optional[SecretRoot] = None,
     ):
-        if not hasattr(algorithm, "row_losses") and not hasattr(algorithm, "unit_directions"):
-            raise ValidationError("algorithm", "needs row_losses(batch) or unit_directions(batch)")
+        if not any(hasattr(algorithm, name) for name in ("row_losses", "weighted_row_losses", "unit_directions")):
+            raise ValidationError("algorithm", "needs row_losses(batch), weighted_row_losses(batch) or unit_directions(batch)")
         _check_same_unit(algorithm, source)  # before anything is written
         self.algorithm = algorithm
         self.source = source
@@ -401,9 +403,9 @@ class Trainer:
                 engine.write_gradients(direction)
                 stats = engine.last_stats
             else:
-                losses = self.algorithm.row_losses(batch)
+                losses, weights = self._row_losses(batch)
                 stats = engine.private_backward(
-                    losses, batch.unit_index, batch.n_units, layout=getattr(batch, "layout", None)
+                    losses, batch.unit_index, batch.n_units, layout=getattr(batch, "layout", None), row_weights=weights
                 )
                 if diagnostics:
                     values["private_loss"] = float(losses.detach().mean()) if losses.numel() else math.nan
@@ -414,7 +416,9 @@ class Trainer:
         elif closed_form:
             write_flat_gradients(self._trainable(), self.algorithm.unit_directions(batch).mean(dim=0))
         else:
-            losses = self.algorithm.row_losses(batch)
+            losses, weights = self._row_losses(batch)
+            if weights is not None:  # the same semi-gradient, unclipped: d/dtheta of mean(w * loss), w constant
+                losses = losses * weights
             if engine is not None:  # lets the engine drop what its hooks recorded on this noiseless step
                 engine.public_backward(losses)
             else:
@@ -423,6 +427,13 @@ class Trainer:
                 values["public_loss"] = float(losses.detach().mean())
         optimizer.step()
         return values
+
+    def _row_losses(self, batch: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(row losses, row weights or None): ``weighted_row_losses`` when the algorithm has it (weights scale each
+        unit's gradient after clipping, see ``DPSGDEngine.private_backward``), else ``row_losses``."""
+        if hasattr(self.algorithm, "weighted_row_losses"):
+            return self.algorithm.weighted_row_losses(batch)
+        return self.algorithm.row_losses(batch), None
 
     def _evaluate(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
