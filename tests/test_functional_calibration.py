@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dporl.privacy.events import ApproxDPEvent
+from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.functional_calibration import (
     calibrate_functional_noise,
     reward_perturbation_std,
@@ -34,8 +34,11 @@ def test_theorem5_terms_match_a_hand_computation():
     assert result.delta_tail == pytest.approx(1 - (1 - p) ** J, rel=1e-6)
     assert result.delta_tail <= result.delta_tail_union  # the appendix's bound is the tighter one
     assert result.delta_total == pytest.approx(delta + result.delta_tail, rel=1e-12)
-    assert result.event() == ApproxDPEvent(eps, result.delta_total)
-    assert result.unit == "reward" and "Thm 5" in result.analysis
+    assert result.unit == "reward" and "Thm 5" in result.analysis and "NOT a guarantee" in result.analysis
+    ledger = PrivacyLedger()
+    result.paper_claim(ledger)  # recorded as the paper's figure: never a stage, never a guarantee
+    assert [(c.epsilon, c.delta) for c in ledger.paper_claims] == [(eps, result.delta_total)]
+    assert not ledger.stages and ledger.report().guarantee is None
     assert "not reproducible" in result.to_dict()["note"]
 
 
