@@ -547,3 +547,31 @@ def test_released_file_is_loaded_weights_only(tmp_path):
     path.write_bytes(pickle.dumps([1, 2]))
     with pytest.raises(ValidationError, match="released"):
         load_noisy_q(path)
+
+
+def test_any_torch_q_network_works_through_the_opacus_mode():
+    # A network with a non-Linear parameterised layer: bookkeeping refuses it, opacus computes the same clipped,
+    # TD-weighted per-transition update as one autograd pass per transition (naive).
+    from torch import nn
+
+    from dporl.privacy.dpsgd import DPSGDEngine
+
+    def learner():
+        torch.manual_seed(7)
+        network = nn.Sequential(nn.Linear(1, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+        return RewardPrivateQLearning(1, 2, FNQConfig(gamma=0.9, td_clip=0.5), q_network=network)
+
+    batch, _, _ = _neighbour_batches(6, rows=12)
+    updates = []
+    for mode in ("opacus", "naive"):
+        model = learner()
+        engine = DPSGDEngine(model, max_grad_norm=0.2, noise_multiplier=0.0, expected_batch_size=12,
+                             noise=NoiseSource(0), mode=mode)
+        losses, weights = model.weighted_row_losses(batch)
+        engine.private_backward(losses, batch.unit_index, 12, row_weights=weights)
+        updates.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]))
+    torch.testing.assert_close(updates[0], updates[1], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValidationError, match="opacus"):
+        DPSGDEngine(learner(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=12, noise=NoiseSource(0))
+    with pytest.raises(ValidationError, match="q_network"):  # the released-file format is for dporl's MLPs
+        save_noisy_q(Path("/nonexistent/never_written.pt"), learner().function, {})

@@ -134,11 +134,23 @@ class NoisyQFunction(nn.Module):
 
 
 class _PathQLearner(nn.Module):
-    """A Q-network with one GP path per action, reset every ``reset_every`` updates; unit "reward"."""
+    """A Q-network with one GP path per action, reset every ``reset_every`` updates; unit "reward".
+
+    ``q_network`` (optional) is any torch module mapping observations [B, obs_dim] to Q-values [B, n_actions]
+    (default: an MLP with ``config.hidden_sizes``). The engine's bookkeeping / ghost modes need nn.Linear
+    parameters only; use clipping mode "opacus" for other layers.
+    """
 
     privacy_unit = REWARD
 
-    def __init__(self, obs_dim: int, n_actions: int, config: FNQConfig, noise: Optional[NoiseSource] = None):
+    def __init__(
+        self,
+        obs_dim: int,
+        n_actions: int,
+        config: FNQConfig,
+        noise: Optional[NoiseSource] = None,
+        q_network: Optional[nn.Module] = None,
+    ):
         super().__init__()
         if obs_dim != len(config.state_low):
             raise ValidationError("fnq.state_low", f"{len(config.state_low)} bounds for a {obs_dim}-dimensional state")
@@ -148,7 +160,8 @@ class _PathQLearner(nn.Module):
         self.obs_dim = obs_dim
         self.n_actions = n_actions
         paths = FunctionalNoise(n_actions, config.state_low, config.state_high, config.sigma, config.beta, noise)
-        self.function = NoisyQFunction(mlp(obs_dim, config.hidden_sizes, n_actions), paths)
+        network = mlp(obs_dim, config.hidden_sizes, n_actions) if q_network is None else q_network
+        self.function = NoisyQFunction(network, paths)
 
     @property
     def q_network(self) -> nn.Module:
@@ -209,8 +222,15 @@ class RewardPrivateQLearning(_PathQLearner):
     ``target_update_every = 0``) and never the exploration paths.
     """
 
-    def __init__(self, obs_dim: int, n_actions: int, config: FNQConfig, noise: Optional[NoiseSource] = None):
-        super().__init__(obs_dim, n_actions, config, noise)
+    def __init__(
+        self,
+        obs_dim: int,
+        n_actions: int,
+        config: FNQConfig,
+        noise: Optional[NoiseSource] = None,
+        q_network: Optional[nn.Module] = None,
+    ):
+        super().__init__(obs_dim, n_actions, config, noise, q_network)
         self.target_network: Optional[nn.Module] = None
         if config.target_update_every:
             self.target_network = copy.deepcopy(self.q_network).requires_grad_(False)
@@ -268,10 +288,15 @@ class RewardLevelSource:
 def save_noisy_q(path: str | Path, function: NoisyQFunction, metadata: dict[str, Any]) -> Path:
     """Atomic save of a released function with what is needed to rebuild it (``metadata`` is JSON-safe)."""
     noise = function.noise
+    hidden = [m.out_features for m in function.q_network.modules() if isinstance(m, nn.Linear)][:-1]
+    expected = mlp(noise.dim, hidden, noise.n_actions).state_dict()
+    actual = function.q_network.state_dict()
+    if list(expected) != list(actual) or any(expected[k].shape != actual[k].shape for k in expected):
+        raise ValidationError("q_network", "save_noisy_q saves dporl's MLP Q-networks; save a custom network yourself")
     spec = {
         "obs_dim": noise.dim,
         "n_actions": noise.n_actions,
-        "hidden_sizes": [m.out_features for m in function.q_network if isinstance(m, nn.Linear)][:-1],
+        "hidden_sizes": hidden,
         "sigma": noise.sigma,
         "beta": noise.beta,
         "state_low": noise.state_low.tolist(),

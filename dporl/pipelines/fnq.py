@@ -135,6 +135,7 @@ class FNQPipelineConfig:
     reward_range: Optional[list[float]] = None  # declared public reward range: rewards outside it are refused
     max_grad_norm: float = 1.0  # dpsgd clip C
     accountant: str = "pld"  # analysis of the Gaussian events (fnq, dpsgd)
+    clipping: str = "bookkeeping"  # per-transition clipping of the engine (opacus for non-Linear layers)
     eval_episodes: int = 10
     evaluations: int = 10  # evaluation points along each run (0: none, e.g. audits)
     noise_seed: Optional[int] = None  # None: secret per invocation; an int makes runs reproducible (experiments only)
@@ -165,6 +166,8 @@ class FNQPipelineConfig:
         check_reward_range(self.reward_range)
         if self.accountant not in ("rdp", "pld", "prv"):
             raise ValidationError("accountant", f"must be rdp, pld or prv, got {self.accountant!r}")
+        if self.clipping not in ("bookkeeping", "ghost", "opacus", "naive"):
+            raise ValidationError("clipping", f"must be bookkeeping, ghost, opacus or naive, got {self.clipping!r}")
         self.learner_config([0.0], [1.0])  # validates td_clip, reward_scale, gamma, hidden sizes, ...
         if self.updates < 1:
             raise ValidationError("samples", f"{self.samples} samples make no update of {self.steps_per_update}")
@@ -394,7 +397,7 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
         # The engine adds sigma_e G to the sum of B weighted clipped Jacobians: sigma_e = z B s (RewardLevelSource).
         engine_sigma = z * config.batch_size * learner_config.update_sensitivity
         dp = DPConfig(epsilon=spec.epsilon, delta=config.delta, noise_multiplier=engine_sigma,
-                      max_grad_norm=config.clip_norm, accountant=config.accountant,
+                      max_grad_norm=config.clip_norm, accountant=config.accountant, clipping=config.clipping,
                       noise_seed=ctx.root.integer(f"{streams}/trainer", bits=256))
         ledger.stage("train", budget=(spec.epsilon, config.delta), mechanism=config.accountant, unit=REWARD,
                      analysis=SOUND_ANALYSIS)
