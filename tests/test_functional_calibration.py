@@ -80,3 +80,13 @@ def test_reward_perturbation_matches_the_exact_gaussian_mechanism():
     exact = GaussianPrivacyLoss(std, sensitivity=math.sqrt(5000)).get_delta_for_epsilon(0.9)
     assert exact <= 1e-4 and exact == pytest.approx(1e-4, rel=1e-6)
     assert reward_perturbation_std(0.9, 1e-4, 20000) == pytest.approx(2 * std, rel=1e-6)
+
+
+def test_reward_perturbation_calibrates_at_large_epsilon_without_overflow():
+    # e^eps overflows a float beyond eps ~ 709; the exact delta is computed in log space.
+    from dporl.privacy.functional_calibration import gaussian_delta
+
+    for eps in (1e3, 1e5):
+        std = reward_perturbation_std(eps, 1e-4, 5000)
+        assert 0 < std < 5000**0.5 and gaussian_delta(eps, std, 5000**0.5) <= 1e-4
+        assert gaussian_delta(eps, std * 0.99, 5000**0.5) > 1e-4  # and it is the smallest such std (to 1%)

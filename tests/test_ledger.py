@@ -133,10 +133,10 @@ def test_a_release_of_exactly_the_budget_fits_but_one_more_does_not():
 
 def test_report_names_the_proof_and_what_a_unit_is_and_restores_them():
     ledger = PrivacyLedger()
-    ledger.stage("fnq", mechanism="pld", unit="reward", delta=1e-4, analysis="functional noise, Theorem 5")
-    ledger.record("fnq", ApproxDPEvent(0.9, 1e-4))
+    ledger.stage("train", mechanism="pld", unit="reward", delta=1e-4, analysis="public-iterate Gaussian updates")
+    ledger.record("train", PoissonGaussianEvent(30.0, 1.0), 78)
     text = ledger.report().describe()
-    assert "functional noise, Theorem 5; composed by PLD" in text
+    assert "public-iterate Gaussian updates; composed by PLD" in text
     assert "sup |r - r'| <= 1" in text and "one unit" not in text
     restored = PrivacyLedger()
     restored.load_state_dict(ledger.state_dict())

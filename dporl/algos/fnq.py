@@ -25,7 +25,7 @@ The released object is ``NoisyQFunction``: the Q-network together with its curre
 and saved / reloaded (weights-only) with identical answers. For the sound learner the paths are exploration: their
 law does not depend on the rewards, and where they were evaluated (the visited states) is a function of released
 iterates, of the paths themselves and of the environment's reward-independent dynamics, so releasing them is free
-(the guarantee holds conditionally on them); they come from their own secret stream anyway.
+(the guarantee holds for every value they take); they come from their own secret stream anyway.
 
 Data: ``EnvInteractionSource`` is the online loop (``env_steps_per_update`` new transitions per update, acting
 greedily on Q + g, optionally through a replay buffer); ``dataset_source`` is the offline variant (uniform minibatches

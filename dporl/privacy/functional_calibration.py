@@ -267,7 +267,9 @@ def gaussian_delta(epsilon: float, noise_std: float, sensitivity: float) -> floa
     from scipy.stats import norm
 
     ratio = sensitivity / noise_std
-    return float(norm.cdf(ratio / 2 - epsilon / ratio) - math.exp(epsilon) * norm.cdf(-ratio / 2 - epsilon / ratio))
+    # e^eps Phi(b) in log space: at large eps (input perturbation over a wide grid) e^eps alone overflows.
+    second = math.exp(epsilon + float(norm.logcdf(-ratio / 2 - epsilon / ratio)))
+    return max(0.0, float(norm.cdf(ratio / 2 - epsilon / ratio)) - second)
 
 
 def reward_perturbation_std(epsilon: float, delta: float, n_rewards: int) -> float:
