@@ -363,7 +363,7 @@ def test_accounting_matches_dp_accounting_gaussian_composed_u_times(tmp_path):
 
     from dporl.privacy.accountants import epsilon_for
     from dporl.privacy.functional_calibration import (
-        calibrate_update_noise,
+        gaussian_noise_multiplier,
         gaussian_delta,
         update_event,
         updates_within_budget,
@@ -384,7 +384,7 @@ def test_accounting_matches_dp_accounting_gaussian_composed_u_times(tmp_path):
         rdp_ours = epsilon_for([(update_event(z), updates)], 1e-4, "rdp")
         assert rdp_ours == pytest.approx(rdp.get_epsilon(1e-4), rel=0.01) and rdp_ours >= ours
     # Calibration: z for (0.9, 1e-4) over 78 updates fits, and 0.2% less noise would not (bisection to 0.1%).
-    z = calibrate_update_noise(0.9, 1e-4, 78, "pld")
+    z = gaussian_noise_multiplier(0.9, 1e-4, 78, "pld")
     assert epsilon_for([(update_event(z), 78)], 1e-4, "pld") <= 0.9 < epsilon_for([(update_event(z * 0.998), 78)], 1e-4, "pld")
     assert updates_within_budget(z, 0.9, 1e-4, "pld", limit=1000) == 78
     assert updates_within_budget(z * 1.5, 0.9, 1e-4, "pld", limit=10_000) > 78  # more noise, more updates
@@ -471,7 +471,7 @@ def test_input_perturbation_accounting_counts_distinct_rewards_offline(tmp_path)
                  "rewards": rng.uniform(0, 0.5, 5).astype(np.float32), "terminated": False, "truncated": True,
                  "expert_id": 0} for _ in range(4)]
     path = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("dporl/Line1D-v0", 2, 1, (1,))).save(tmp_path / "d.npz")
-    from dporl.privacy.functional_calibration import reward_perturbation_std
+    from dporl.privacy.functional_calibration import gaussian_noise_multiplier
 
     # 20 logged rewards, 8 updates of batch 10 = 80 rows (each reward used ~4 times): accounted as 20 releases.
     pipeline, config = _pipeline_config(tmp_path / "run", dataset=str(path), methods=["input_perturbation"],
@@ -479,7 +479,8 @@ def test_input_perturbation_accounting_counts_distinct_rewards_offline(tmp_path)
     pipeline.run(config)
     run = json.loads((tmp_path / "run" / "results.json").read_text())["runs"][0]
     assert run["privacy"]["n_rewards"] == 20 and run["steps"] == 8
-    assert run["privacy"]["reward_noise_std"] == pytest.approx(reward_perturbation_std(2.0, 1e-4, 20))
+    # Calibrated by the ledger's own analysis (pld here) as one Gaussian release, std = z sqrt(N).
+    assert run["privacy"]["reward_noise_std"] == pytest.approx(gaussian_noise_multiplier(2.0, 1e-4, 1, "pld") * math.sqrt(20))
     event = run["ledger"]["stages"][0]["events"]
     assert event == [[{"type": "PoissonGaussianEvent", "noise_multiplier": pytest.approx(
         run["privacy"]["reward_noise_std"] / math.sqrt(20)), "sample_rate": 1.0}, 1]]

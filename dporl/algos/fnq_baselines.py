@@ -10,7 +10,8 @@
   from earlier noisy rewards; each is one more release, so N is the number of environment steps T, fixed in
   advance (``GaussianRewardNoise`` refuses the N+1-th reward). Revisiting a state does not help an attacker beyond
   sqrt(N): the bound counts every release, repeated points included. The noise std therefore grows as sqrt(N)
-  (``reward_perturbation_std``), and the learner must average many noisy rewards to see the reward function.
+  (``gaussian_noise_multiplier`` with one release, times sqrt(N); ``reward_perturbation_std`` is the exact analytic
+  calibration), and the learner must average many noisy rewards to see the reward function.
 * DP-SGD on the Q-network (Abadi et al. 2016): neighbouring reward functions may change every reward, so every
   row of a batch may change. The whole batch is therefore ONE privacy unit: its mean-loss gradient is clipped to C
   and noised with std sigma C. Two neighbours move the clipped gradient by at most 2C, so each step is a Gaussian
@@ -33,7 +34,7 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_po
 class GaussianRewardNoise:
     """r -> r + N(0, std^2) per reward, drawn from a ``NoiseSource``; at most ``n_rewards`` rewards, each once.
 
-    ``std`` is calibrated for ``n_rewards`` releases (``reward_perturbation_std``); perturbing more would spend
+    ``std`` is calibrated for ``n_rewards`` releases (see the module docstring); perturbing more would spend
     beyond the accounted budget, so it is refused (``PrivacyBudgetError``, nothing drawn).
     """
 

@@ -63,7 +63,7 @@ from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import (
     ANALYSIS,
     UNIT,
-    calibrate_update_noise,
+    gaussian_noise_multiplier,
     smallest_tail_parameter,
     update_event,
 )
@@ -343,7 +343,7 @@ def gaussian_update_audit(
         raise ValidationError("clip_norm", "the worst case needs G <= 1 (the Jacobian's norm is >= 1, from the bias)")
     if int(updates) != updates or updates < 1 or int(batch_size) != batch_size or batch_size < 1:
         raise ValidationError("updates", f"updates and batch_size must be integers >= 1, got {updates}, {batch_size}")
-    z = calibrate_update_noise(epsilon, delta, int(updates), accountant) * noise_factor
+    z = gaussian_noise_multiplier(epsilon, delta, int(updates), accountant) * noise_factor
     budget = epsilon if noise_factor >= 1 else 1.001 * epsilon_for([(update_event(z), int(updates))], delta, accountant)
     state, action = 0.5, 1
     initial = _public_initial_network(1, 2, list(hidden_sizes))

@@ -65,8 +65,7 @@ from dporl.pipelines import Pipeline, register
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import (
     calibrate_functional_noise,
-    calibrate_update_noise,
-    reward_perturbation_std,
+    gaussian_noise_multiplier,
     smallest_tail_parameter,
     theorem5_terms,
 )
@@ -383,17 +382,17 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
         ledger.void("non-private reference: no privacy mechanism")
     elif spec.method == "input_perturbation":
         n_rewards = config.samples if config.dataset is None else _dataset(config).n_transitions
-        std = reward_perturbation_std(spec.epsilon, config.delta, n_rewards)
-        reward_transform = GaussianRewardNoise(std, ctx.root.noise(f"{streams}/reward_noise"), n_rewards)
-        ledger.stage("rewards", budget=(spec.epsilon, config.delta), mechanism="pld", unit=REWARD,
-                     analysis=INPUT_ANALYSIS)
         # N Gaussian releases of sensitivity 1 and std s are exactly one of sensitivity sqrt(N): multiplier s/sqrt(N).
+        std = gaussian_noise_multiplier(spec.epsilon, config.delta, 1, config.accountant) * math.sqrt(n_rewards)
+        reward_transform = GaussianRewardNoise(std, ctx.root.noise(f"{streams}/reward_noise"), n_rewards)
+        ledger.stage("rewards", budget=(spec.epsilon, config.delta), mechanism=config.accountant, unit=REWARD,
+                     analysis=INPUT_ANALYSIS)
         ledger.record("rewards", PoissonGaussianEvent(std / math.sqrt(n_rewards), 1.0))
         privacy = {"reward_noise_std": std, "n_rewards": n_rewards, "unit": "reward", "analysis": INPUT_ANALYSIS}
     elif spec.method == "fnq":
         z = config.noise_multiplier
         if z is None:  # calibrated for U updates (else: budget-driven stopping at the given z)
-            z = calibrate_update_noise(spec.epsilon, config.delta, config.updates, config.accountant)
+            z = gaussian_noise_multiplier(spec.epsilon, config.delta, config.updates, config.accountant)
         # The engine adds sigma_e G to the sum of B weighted clipped Jacobians: sigma_e = z B s (RewardLevelSource).
         engine_sigma = z * config.batch_size * learner_config.update_sensitivity
         dp = DPConfig(epsilon=spec.epsilon, delta=config.delta, noise_multiplier=engine_sigma,

@@ -246,11 +246,13 @@ def update_event(noise_multiplier: float) -> PoissonGaussianEvent:
 
 
 @functools.lru_cache(maxsize=64)
-def calibrate_update_noise(epsilon: float, delta: float, updates: int, accountant: str = "pld") -> float:
-    """The smallest z (to 0.1%) whose ``updates`` Gaussian updates fit (epsilon, delta) under ``accountant``."""
+def gaussian_noise_multiplier(epsilon: float, delta: float, releases: int, accountant: str = "pld") -> float:
+    """The smallest z (to 0.1%) whose ``releases`` Gaussian releases (``update_event``) fit (epsilon, delta) under
+    ``accountant``: the U updates of ``RewardPrivateQLearning``, or (releases = 1) input perturbation's one Gaussian
+    of sensitivity sqrt(N). Calibrating with the ledger's own analysis makes the recorded events fit by construction."""
     from dporl.privacy.calibration import calibrate_noise_multiplier
 
-    return calibrate_noise_multiplier(epsilon, delta, updates, make_event=update_event, mechanism=accountant)
+    return calibrate_noise_multiplier(epsilon, delta, releases, make_event=update_event, mechanism=accountant)
 
 
 def updates_within_budget(
