@@ -477,7 +477,7 @@ def test_input_perturbation_accounting_counts_distinct_rewards_offline(tmp_path)
     pipeline, config = _pipeline_config(tmp_path / "run", dataset=str(path), methods=["input_perturbation"],
                                         epsilons=[2.0], samples=80, batch_size=10)
     pipeline.run(config)
-    run = json.loads((tmp_path / "run" / "results.json").read_text())["runs"][0]
+    run = json.loads((tmp_path / "run" / "curator" / "results.json").read_text())["runs"][0]
     assert run["privacy"]["n_rewards"] == 20 and run["steps"] == 8
     # Calibrated by the ledger's own analysis (pld here) as one Gaussian release, std = z sqrt(N).
     assert run["privacy"]["reward_noise_std"] == pytest.approx(gaussian_noise_multiplier(2.0, 1e-4, 1, "pld") * math.sqrt(20))

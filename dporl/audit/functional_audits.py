@@ -223,7 +223,7 @@ def _released_network(settings: dict[str, Any], noise_seed: int, make_env: Optio
         })
         (spec,) = [spec for spec in plan(config) if spec.epsilon is not None]
         record = train_one(config, spec, PUBLIC_SEED, context(config, make_env))
-        function, _ = load_noisy_q(Path(record["run_dir"]) / "released.pt")
+        function, _ = load_noisy_q(Path(record["run_dir"]) / "release" / "released.pt")
     return function.q_network
 
 

@@ -28,14 +28,16 @@ Two kinds of experiment, both over ``seeds``:
 Data: online (``env_id``: ``samples`` environment steps, ``env_steps_per_update`` new transitions per update, optional
 replay) or offline (``dataset``: ``samples / batch_size`` updates of uniform minibatches of logged transitions).
 
-Randomness: one ``SecretRoot`` per pipeline invocation (``noise_seed``, else 256 bits of OS entropy), one named
-stream per run and mechanism ("<label>/seed<k>/<mechanism>": trainer root, exploration paths, environment seeds and
-exploration coins, reward noise, released paths). Network initialisation and evaluation episodes use the public seed.
+Randomness: one ``SecretRoot`` per pipeline invocation (``noise_seed``, else 256 bits of OS entropy) derives one
+root per run ("<label>/seed<k>/root"), whose named streams serve every mechanism of that run: the Trainer's
+"train/sampler" and "train/noise", and "paths" (GP paths), "env" (episode seeds, exploration coins),
+"reward_noise" (input perturbation), "release_paths" (future draws of the released paths). Network initialisation
+and evaluation episodes use the public seed.
 
 Evaluation returns in the environment are computed from the protected reward function itself: they are curator-only
-(logged under the ``curator/`` prefix, kept in ``results.json`` / ``table.md`` for the experimenter) and never part of
-a release. Outputs under ``run_dir``: per-run trainer directories with ``released.pt`` (the Q-network with its paths),
-``results.json``, ``table.md`` and PNGs (learning curves, return vs epsilon).
+(the Trainer keeps them out of ``release/``; ``results.json``, ``table.md`` and the PNGs go to ``run_dir/curator``)
+and never part of a release. Each (method, seed) is a Trainer run directory ``run_dir/<label>/seed<k>`` whose
+``release/released.pt`` is the released Q-network with its paths.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from dporl.algos.fnq import (
 )
 from dporl.algos.fnq_baselines import GaussianRewardNoise, WholeBatchUnitSource
 from dporl.eval.returns import confidence_interval
-from dporl.logging import CURATOR_PREFIX, plot_lines
+from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import (
@@ -73,6 +75,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.units import REWARD
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.io import atomic_write_json, atomic_write_text
@@ -81,8 +84,9 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_po
 CERTIFIED = ("fnq", "input_perturbation", "dpsgd")
 DATA_FREE = ("random_policy", "untrained")
 METHODS = (*CERTIFIED, "fnq_paper", "nonprivate", *DATA_FREE)
-RETURN = CURATOR_PREFIX + "return"  # evaluator: greedy on the released Q + g (curator-only: uses the rewards)
-RETURN_Q = CURATOR_PREFIX + "return_q"  # greedy on Q_theta alone
+# Evaluators (greedy on the released Q + g, and on Q_theta alone). Their returns are computed from the protected
+# reward function itself, so they are never public evaluators: the Trainer keeps them out of release/.
+RETURN, RETURN_Q = "return", "return_q"
 RETURN_KEY, RETURN_Q_KEY = f"{RETURN}/return_mean", f"{RETURN_Q}/return_mean"
 SOUND_ANALYSIS = (
     "public-iterate Gaussian updates: each update releases a mean of per-transition Jacobians clipped to G, weighted "
@@ -311,13 +315,13 @@ def context(config: FNQPipelineConfig, make_env: Optional[Callable[[], Any]] = N
     return RunContext(bounds, obs_dim, n_actions, SecretRoot(config.noise_seed), make_env or (lambda: _make_env(config)))
 
 
-def _source(config, ctx: RunContext, algorithm, streams: str, reward_transform=None):
+def _source(config, ctx: RunContext, algorithm, root: SecretRoot, reward_transform=None):
     reward_range = check_reward_range(config.reward_range)
     if config.dataset is None:
         return EnvInteractionSource(
             ctx.make_env(), algorithm.act, config.batch_size, env_steps_per_update=config.env_steps_per_update,
             replay_capacity=config.replay_capacity, exploration=config.exploration, reward_transform=reward_transform,
-            env_generator=ctx.root.torch_generator(f"{streams}/env"), reward_range=reward_range,
+            env_generator=root.torch_generator("env"), reward_range=reward_range,
         )
     return dataset_source(_dataset(config), config.batch_size, reward_transform, reward_range)
 
@@ -358,8 +362,8 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
     if spec.method in DATA_FREE:
         return _data_free(config, spec, seed, ctx)
     run_dir = Path(config.run_dir) / spec.label / f"seed{seed}"
-    streams = f"{spec.label}/seed{seed}"
-    paths_noise = ctx.root.noise(f"{streams}/paths")
+    root = SecretRoot(ctx.root.integer(f"{spec.label}/seed{seed}/root", bits=256))  # this run's secret root
+    paths_noise = root.noise("paths")
     ledger = PrivacyLedger()
     every, windows = _reset_every(config, spec.reset_factor)
     learner_config = config.learner_config(*ctx.bounds, reset_every=every)
@@ -384,7 +388,7 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
         n_rewards = config.samples if config.dataset is None else _dataset(config).n_transitions
         # N Gaussian releases of sensitivity 1 and std s are exactly one of sensitivity sqrt(N): multiplier s/sqrt(N).
         std = gaussian_noise_multiplier(spec.epsilon, config.delta, 1, config.accountant) * math.sqrt(n_rewards)
-        reward_transform = GaussianRewardNoise(std, ctx.root.noise(f"{streams}/reward_noise"), n_rewards)
+        reward_transform = GaussianRewardNoise(std, root.noise("reward_noise"), n_rewards)
         ledger.stage("rewards", budget=(spec.epsilon, config.delta), mechanism=config.accountant, unit=REWARD,
                      analysis=INPUT_ANALYSIS)
         ledger.record("rewards", PoissonGaussianEvent(std / math.sqrt(n_rewards), 1.0))
@@ -396,20 +400,19 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
         # The engine adds sigma_e G to the sum of B weighted clipped Jacobians: sigma_e = z B s (RewardLevelSource).
         engine_sigma = z * config.batch_size * learner_config.update_sensitivity
         dp = DPConfig(epsilon=spec.epsilon, delta=config.delta, noise_multiplier=engine_sigma,
-                      max_grad_norm=config.clip_norm, accountant=config.accountant, clipping=config.clipping,
-                      noise_seed=ctx.root.integer(f"{streams}/trainer", bits=256))
+                      max_grad_norm=config.clip_norm, accountant=config.accountant, clipping=config.clipping)
         ledger.stage("train", budget=(spec.epsilon, config.delta), mechanism=config.accountant, unit=REWARD,
                      analysis=SOUND_ANALYSIS)
     elif spec.method == "dpsgd":
         learner_cls = FunctionalNoiseQLearning
         learner_config = config.learner_config(*ctx.bounds, sigma=0.0, reset_every=every)
         dp = DPConfig(epsilon=spec.epsilon, delta=config.delta, max_grad_norm=config.max_grad_norm,
-                      accountant=config.accountant, noise_seed=ctx.root.integer(f"{streams}/trainer", bits=256))
+                      accountant=config.accountant)
         ledger.stage("train", budget=(spec.epsilon, config.delta), mechanism=config.accountant, unit=REWARD,
                      analysis="DP-SGD, the whole batch one unit (sensitivity 2C), no sampling amplification")
     torch.manual_seed(seed)  # network initialisation: public
     algorithm = learner_cls(ctx.obs_dim, ctx.n_actions, learner_config, paths_noise)
-    source = _source(config, ctx, algorithm, streams, reward_transform)
+    source = _source(config, ctx, algorithm, root, reward_transform)
     if spec.method == "fnq":
         source = RewardLevelSource(source, learner_config.update_sensitivity)
     elif spec.method == "dpsgd":
@@ -424,13 +427,13 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
     run_config = {**to_dict(config), "run": {"label": spec.label, "method": spec.method, "seed": seed}}
     trainer = Trainer(
         algorithm, source, config=trainer_config, dp=dp, ledger=ledger, run_dir=run_dir, pipeline="fnq",
-        pipeline_config=run_config, stage="train", evaluators=evaluators,
+        pipeline_config=run_config, stage="train", evaluators=evaluators, secret_root=root,
     )
     result = trainer.fit()
     if eval_env is not None:
         eval_env.close()
-    released = algorithm.release(ctx.root.noise(f"{streams}/release_paths"))
-    save_noisy_q(run_dir / "released.pt", released, {"label": spec.label, "privacy": result.privacy})
+    released = algorithm.release(root.noise("release_paths"))
+    save_noisy_q(run_dir / "release" / "released.pt", released, {"label": spec.label, "privacy": result.privacy})
     curve = [(step * config.steps_per_update, m[RETURN_KEY]) for step, m in result.eval_history if RETURN_KEY in m]
     curve_q = [(step * config.steps_per_update, m[RETURN_Q_KEY]) for step, m in result.eval_history if RETURN_Q_KEY in m]
     if spec.method == "fnq":
@@ -538,7 +541,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
+def _plots(config: FNQPipelineConfig, rows: list[dict], out_dir: Path) -> list[str]:
     out, groups = [], {}
     for row in rows:
         if not row["curve_x"]:
@@ -554,7 +557,7 @@ def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
         series.update({f"{r['label']} (Q_theta)": (r["curve_x"], r["curve_q_mean"], None)
                        for r in reference + group if r["sigma"] > 0})
         title = f"{config.env_id}: " + (f"eps = {key}, delta = {config.delta:g}" if config.epsilons else key)
-        path = Path(config.run_dir) / f"curves_{'eps' if config.epsilons else ''}{key}.png"
+        path = out_dir / f"curves_{'eps' if config.epsilons else ''}{key}.png"
         plot_lines(path, series, xlabel="samples", ylabel="return (curator-only; mean +- 1 std over seeds)", title=title)
         out.append(str(path))
     certified = [r for r in rows if r["method"] in (*CERTIFIED, "fnq_paper") and r["epsilon"] is not None]
@@ -570,28 +573,36 @@ def _plots(config: FNQPipelineConfig, rows: list[dict]) -> list[str]:
         for row in rows:
             if row["epsilon"] is None and row["final_ci"]:
                 series[row["label"]] = (eps_grid, [row["final_mean"]] * len(eps_grid), None)
-        path = Path(config.run_dir) / "return_vs_epsilon.png"
+        path = out_dir / "return_vs_epsilon.png"
         plot_lines(path, series, xlabel="epsilon (delta = %g)" % config.delta,
                    ylabel="final return (mean, 95% CI over seeds)", title=f"{config.env_id}: return vs epsilon", logx=True)
         out.append(str(path))
     return out
 
 
-def run(config: FNQPipelineConfig) -> dict:
+def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
+    directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
     specs = plan(config)
     ctx = context(config)
+    for spec in specs:  # calibrations (and their refusals) before the first write
+        if spec.method == "fnq_paper" and spec.epsilon is not None:
+            if ctx.obs_dim != 1:
+                raise ValidationError("epsilons", "Theorem 5 is stated for one-dimensional states; run a sweep instead")
+            theorem5_calibration(config, spec)
+    directory.begin()  # each (method, seed) below is a Trainer run directory of its own under run_dir
     runs = []
     for spec, seed in tqdm([(s, k) for s in specs for k in config.seeds], desc="fnq runs", disable=not config.progress):
         runs.append(train_one(config, spec, seed, ctx))
     rows = summarise(runs)
-    run_dir = Path(config.run_dir)
+    # Under reward-level privacy the returns are computed from the protected rewards: curator-only.
+    out_dir = directory.curator
     text = table(rows)
-    atomic_write_text(run_dir / "table.md", text)
-    plots = _plots(config, rows)
-    atomic_write_json(run_dir / "results.json", {"config": to_dict(config), "rows": rows, "runs": runs,
+    atomic_write_text(out_dir / "table.md", text)
+    plots = _plots(config, rows, out_dir)
+    atomic_write_json(out_dir / "results.json", {"config": to_dict(config), "rows": rows, "runs": runs,
                                                  "epsilon_to_reach_90": epsilon_to_reach(rows)})
     return {"table": text, "plots": plots, "rows": [{k: v for k, v in r.items() if not k.startswith("curve")}
                                                       for r in rows]}
@@ -608,7 +619,7 @@ def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) ->
     from dporl.eval.returns import evaluate_returns
 
     config = from_dict(FNQPipelineConfig, {k: v for k, v in payload["config"].items() if k != "run"})
-    released = Path(out_dir) / "released.pt"
+    released = Path(out_dir) / "release" / "released.pt"
     if not released.exists():
         raise ValidationError("checkpoint", f"no released function at {released}")
     function, metadata = load_noisy_q(released)
