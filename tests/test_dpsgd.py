@@ -336,3 +336,30 @@ def test_bad_row_weights_name_their_field():
     ]:
         with pytest.raises(ValidationError, match=match):
             engine.private_backward(model.row_losses(*batch), torch.tensor([0, 0, 1, 2]), 3, row_weights=weights)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])
+def test_row_weights_with_a_samplers_row_layout_match_checked_ids(mode):
+    # A library source's RowLayout (contiguous blocks of rows_per_unit rows) skips the id checks; the weights must
+    # still scale each block's clipped gradient exactly as with explicit, checked unit ids.
+    import copy
+
+    from dporl.privacy.samplers import RowLayout
+
+    torch.manual_seed(4)
+    model = QNet()
+    batch = _batch(12, seed=9)
+    unit_index = torch.arange(6).repeat_interleave(2)
+    weights = torch.tensor([0.3, -1.0, 0.7, 0.0, 1.0, -0.2]).repeat_interleave(2)
+    grads = []
+    for layout in (None, RowLayout(rows_per_unit=2)):
+        copy_ = copy.deepcopy(model)
+        engine = DPSGDEngine(copy_, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6.0,
+                             noise=NoiseSource(0), mode=mode)
+        engine.private_backward(copy_.row_losses(*batch), unit_index, 6, layout=layout, row_weights=weights)
+        grads.append(torch.cat([p.grad.reshape(-1) for p in copy_.parameters() if p.requires_grad]))
+    torch.testing.assert_close(grads[0], grads[1])
+    with pytest.raises(ValidationError, match="share one weight"):
+        DPSGDEngine(copy.deepcopy(model), max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6.0,
+                    noise=NoiseSource(0), mode=mode).private_backward(
+            model.row_losses(*batch), unit_index, 6, layout=RowLayout(rows_per_unit=2), row_weights=torch.linspace(-1, 1, 12))

@@ -47,7 +47,7 @@ from dporl.algos.cql import mlp
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.gp_noise import FunctionalNoise
 from dporl.privacy.noise import NoiseSource
-from dporl.privacy.samplers import Batch, UniformBatchSource
+from dporl.privacy.samplers import Batch, RowLayout, UniformBatchSource
 from dporl.privacy.units import REWARD
 from dporl.utils.io import atomic_torch_save, load_weights
 from dporl.utils.validation import ValidationError, check_positive, check_probability
@@ -266,6 +266,8 @@ class RewardLevelSource:
     amplification (``PoissonGaussianEvent(sigma / (B s), 1.0)``): every reward may differ between neighbours.
     """
 
+    unit = REWARD  # every batch protects the reward function (the Trainer checks the algorithm agrees)
+
     def __init__(self, inner, sensitivity: float):
         self.inner = inner
         self.batch_size = int(inner.batch_size)
@@ -279,7 +281,9 @@ class RewardLevelSource:
         batch = self.inner.sample(generator)
         if batch.n_rows != self.batch_size:
             raise ValidationError("batch_size", f"a reward-level update needs exactly {self.batch_size} rows, got {batch.n_rows}")
-        return Batch(batch.data, torch.arange(self.batch_size), self.batch_size, private=True)
+        # One transition per unit, in order: the engine needs no id checks (RowLayout).
+        return Batch(batch.data, torch.arange(self.batch_size), self.batch_size, private=True,
+                     layout=RowLayout(rows_per_unit=1))
 
     def step_event(self, noise_multiplier: float) -> PoissonGaussianEvent:
         return PoissonGaussianEvent(noise_multiplier / (self.batch_size * self.sensitivity), 1.0)
