@@ -2,8 +2,9 @@
 Jacobians clipped, TD-error row weights, Gaussian noise) relative to the same learner's non-private update (the same
 semi-gradient, unclipped, no noise), on the same network and batch, in one run. Goal: <= 1.5x.
 
-Both updates are timed whole (targets, forward, backward, optimizer step) on two copies of one learner (the engine's
-hooks sit on the private copy only), interleaved in rounds so that machine load hits both alike; medians over rounds.
+Both updates are timed whole (targets, forward, backward, the Trainer's optimizer step) on two copies of one learner
+(the engine's hooks sit on the private copy only), interleaved in rounds so that machine load hits both alike; medians
+over rounds. The private update gets the batch's ``RowLayout`` as the Trainer passes it.
 
     python benchmarks/bench_fnq_update.py            # full measurement
     python benchmarks/bench_fnq_update.py --quick    # smoke test (seconds)
@@ -21,7 +22,9 @@ import torch
 from dporl.algos.fnq import FNQConfig, RewardPrivateQLearning
 from dporl.privacy.dpsgd import DPSGDEngine
 from dporl.privacy.noise import NoiseSource
-from dporl.privacy.samplers import Batch
+from dporl.privacy.samplers import Batch, RowLayout
+from dporl.train.config import OptimizerConfig
+from dporl.train.trainer import build_optimizer
 
 
 def make_batch(rows: int, obs_dim: int, n_actions: int, generator: torch.Generator) -> Batch:
@@ -32,11 +35,12 @@ def make_batch(rows: int, obs_dim: int, n_actions: int, generator: torch.Generat
         "next_obs": torch.rand(rows, obs_dim, generator=generator),
         "terminated": torch.rand(rows, generator=generator) < 0.02,
     }
-    return Batch(data, torch.arange(rows), rows, private=True)
+    # One transition per unit, as RewardLevelSource emits it (with the layout the Trainer hands to the engine).
+    return Batch(data, torch.arange(rows), rows, private=True, layout=RowLayout(rows_per_unit=1))
 
 
 def steps(learner: RewardPrivateQLearning, batch: Batch, engine: DPSGDEngine | None):
-    optimizer = torch.optim.Adam(learner.parameters(), lr=1e-3)
+    optimizer = build_optimizer(list(learner.parameters()), OptimizerConfig(name="adam", lr=1e-3))  # the Trainer's
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -44,7 +48,7 @@ def steps(learner: RewardPrivateQLearning, batch: Batch, engine: DPSGDEngine | N
         if engine is None:
             (losses * weights).mean().backward()
         else:
-            engine.private_backward(losses, batch.unit_index, batch.n_units, row_weights=weights)
+            engine.private_backward(losses, batch.unit_index, batch.n_units, layout=batch.layout, row_weights=weights)
         optimizer.step()
 
     return step

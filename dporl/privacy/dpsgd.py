@@ -274,7 +274,9 @@ def _check_row_weights(row_weights, unit_index, n_units, row_losses, blocks: Opt
     if row_weights.shape != row_losses.shape:
         raise ValidationError("row_weights", f"expected shape {tuple(row_losses.shape)}, got {tuple(row_weights.shape)}")
     bounded = row_weights.abs() <= 1  # False for NaN too
-    if blocks is not None:
+    if blocks == 1:  # one row per unit: nothing to share
+        shared = bounded
+    elif blocks is not None:
         grouped = row_weights.reshape(-1, blocks)
         shared = grouped == grouped[:, :1]
     else:
