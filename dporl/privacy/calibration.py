@@ -13,6 +13,12 @@ by inverse interpolation of log n against log epsilon (epsilon is smooth in n), 
 stops halving the bracket: typically 2-6 evaluations of the requested analysis, against 34 for doubling and
 bisection at 10^5 steps. ``calibrate_noise_multiplier`` interpolates log sigma against log epsilon the same way.
 
+Prior events. Both searches take ``prior``: events already spent (or about to be) that the answer is composed
+with by the same analysis, e.g. a stage that shares its run's budget with an earlier one is calibrated so that
+one joint PLD over the earlier stage's events and its own fits the run's budget (``PrivacyLedger.shared_budget``).
+The answer is then the largest count / smallest sigma with epsilon(prior + n x event) <= target; a prior that
+alone does not fit (strictly) is refused with ``PrivacyBudgetError`` naming what it spent.
+
 PRV (Opacus' accountant, about a second per evaluation at 10^5 steps) is searched with PLD first (milliseconds per
 evaluation), and the PLD answer is the starting guess of the same search run with PRV: PRV's exact answer in a
 few PRV evaluations (4-6, against 34 for doubling and bisection), never PLD's answer passed off as PRV's.
@@ -21,7 +27,7 @@ few PRV evaluations (4-6, against 34 for doubling and bisection), never PLD's an
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -42,9 +48,25 @@ SIGMA_RANGE = (1e-3, 1e6)
 STEP_SEARCH_LIMIT = 10**9
 
 
+Events = Sequence[tuple[PrivacyEvent, int]]
+
+
 def _check_budget(epsilon: float, delta: float) -> None:
     check_positive("epsilon", epsilon)
     check_probability("delta", delta, allow_zero=False, allow_one=False)
+
+
+def _check_prior(prior: Events, epsilon: float, delta: float, mechanism: Mechanism) -> list[tuple[PrivacyEvent, int]]:
+    """``prior`` as a list, refused (``PrivacyBudgetError``) when it alone leaves nothing of (epsilon, delta)."""
+    prior = [(event, check_count("prior.count", count)) for event, count in prior]
+    if prior:
+        spent = epsilon_for(prior, delta, mechanism)
+        if spent >= epsilon or not within_budget(spent, epsilon):
+            raise PrivacyBudgetError(
+                "epsilon", f"the events already spent take eps={spent:.6g} of epsilon={epsilon:g} at delta={delta:g} "
+                f"({mechanism}): nothing is left to calibrate"
+            )
+    return prior
 
 
 def _search_mechanism(mechanism: Mechanism) -> Mechanism:
@@ -154,15 +176,18 @@ def _largest_fitting(spent: Callable[[int], float], epsilon: float, cap: int, gu
 
 
 def max_steps(
-    event: PrivacyEvent, epsilon: float, delta: float, *, mechanism: Mechanism = "rdp", limit: Optional[int] = None
+    event: PrivacyEvent, epsilon: float, delta: float, *, mechanism: Mechanism = "rdp", limit: Optional[int] = None,
+    prior: Events = (),
 ) -> int:
-    """Largest n with epsilon(n x ``event``) <= ``epsilon`` at ``delta`` (0 if not even one fits).
+    """Largest n with epsilon(``prior`` + n x ``event``) <= ``epsilon`` at ``delta`` (0 if not even one fits).
 
     ``limit`` caps the search (the answer is then min(limit, n)); without it an event that spends nothing, or a
     budget allowing more than 10^9 steps, is an error rather than an endless search. With ``mechanism="prv"`` the
-    PRV search starts from the PLD answer (see the module docstring).
+    PRV search starts from the PLD answer (see the module docstring). ``prior``: events composed with the n steps
+    (see the module docstring); refused when they alone leave nothing.
     """
     _check_budget(epsilon, delta)
+    prior = _check_prior(prior, epsilon, delta, mechanism)
     limit = None if limit is None else check_count("limit", limit)
     cap = STEP_SEARCH_LIMIT if limit is None else limit
     if spends_nothing(event):
@@ -176,9 +201,9 @@ def max_steps(
         epsilon_for([(event, 1)], delta, mechanism)  # raises the PRV accountant's named refusal
 
     def spent_by(analysis: Mechanism) -> Callable[[int], float]:
-        return lambda n: epsilon_for([(event, n)], delta, analysis)
+        return lambda n: epsilon_for([*prior, (event, n)], delta, analysis)
 
-    guess = rdp_step_guess(event, epsilon, delta) or 1
+    guess = rdp_step_guess(event, epsilon, delta) or 1  # without the prior: an upper end the search brackets down
     found = _largest_fitting(spent_by(search), epsilon, cap, guess)
     if mechanism == "prv":  # the same search with PRV, from PLD's answer: a guess within a few percent
         found = _largest_fitting(spent_by("prv"), epsilon, cap, max(found, 1))
@@ -196,21 +221,24 @@ def calibrate_noise_multiplier(
     make_event: Callable[[float], Optional[PrivacyEvent]],
     mechanism: Mechanism = "rdp",
     rel_tolerance: float = 1e-3,
+    prior: Events = (),
 ) -> float:
     """Smallest noise multiplier (to ``rel_tolerance``) such that ``steps`` events fit (epsilon, delta).
 
     ``make_event(sigma)`` builds the per-step event for a noise multiplier (e.g. a batch source's ``step_event``).
-    With ``mechanism="prv"`` the PRV search starts from the PLD answer (see the module docstring).
+    With ``mechanism="prv"`` the PRV search starts from the PLD answer (see the module docstring). ``prior``:
+    events composed with the ``steps`` events (see the module docstring); refused when they alone leave nothing.
     """
     _check_budget(epsilon, delta)
     steps = check_count("steps", steps, minimum=1)
+    prior = _check_prior(prior, epsilon, delta, mechanism)
 
     def spent_by(analysis: Mechanism) -> Callable[[float], float]:
         def spent(sigma: float) -> float:
             event = make_event(sigma)
             if event is None or spends_nothing(event):
                 raise ValidationError("make_event", "the event spends no privacy: there is no noise to calibrate")
-            return epsilon_for([(event, steps)], delta, analysis)
+            return epsilon_for([*prior, (event, steps)], delta, analysis)
 
         return spent
 

@@ -21,6 +21,18 @@ and a stage is refused at opening unless the stage budgets, composed basically, 
 stays within its own budget, the run's guarantee (the smaller of basic composition and the joint PLD) never
 exceeds the run budget, whatever state is restored from disk (restored stages and events are checked the same way).
 
+Sharing the run budget. The split of a run budget into stage budgets is fixed before anything runs, and basic
+composition of the stage budgets is what the run check above guarantees; one joint PLD over all stages' events is
+usually much tighter (a mixed expert-level run at (10, 1e-5) split 5 + 5 guarantees about 7.1), so a fixed split
+leaves budget unused. A stage opened with ``shares_run_budget=True`` (the last stage of a run; its ``budget`` is
+its nominal share, used only for the opening check) may spend past that share: what must hold for it is the RUN's
+budget, decided by the same traversal ``report()`` prints (the smaller of basic composition and the joint PLD, at
+the total delta), with the candidate events added. While such a stage exists, every charge to any stage is
+checked that way (a later charge elsewhere could otherwise eat the slack it spent), and no state on disk that puts
+the run past its budget is loaded. ``shared_budget(stage, delta)`` states the target for calibrating such a stage
+(the run's epsilon, the total delta, every other stage's events: ``dporl.privacy.calibration``'s ``prior``).
+Sequential composition only: a sharing stage and stages naming cells of a partition are not mixed.
+
 Parallel composition. A ledger may declare one ``UnitPartition`` (``partition``: units split into cells by a keyed
 hash of their ids, never by the data) and each stage may name the cells it touches (``cells=``; default: every
 cell). Each unit lives in exactly one cell, so its privacy loss is the sequential composition of the stages that
@@ -93,6 +105,19 @@ class Stage:
     headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
     grant: int = 1  # next headroom request size (doubles while requests succeed)
     cells: Optional[tuple[str, ...]] = None  # cells of the ledger's partition this stage touches (None: all units)
+    # True: may spend past `budget` (its nominal share) while the run's guarantee stays within the run budget
+    shares_run_budget: bool = False
+
+
+@dataclass(frozen=True)
+class SharedBudget:
+    """What a stage sharing the run budget may spend: its events composed with ``prior`` (every other stage's
+    events) by one PLD must fit (``epsilon``, ``delta``) = (the run's epsilon, the total delta of all stages)."""
+
+    epsilon: float
+    delta: float
+    prior: tuple[tuple[PrivacyEvent, int], ...]
+    mechanism: Mechanism = "pld"
 
 
 @dataclass
@@ -105,6 +130,7 @@ class StageReport:
     budget: Optional[tuple[float, float]]
     events: list[tuple[dict[str, Any], int]]
     cells: Optional[tuple[str, ...]] = None
+    shares_run_budget: bool = False
 
 
 @dataclass
@@ -145,8 +171,11 @@ class PrivacyReport:
     def guarantee(self) -> Optional[tuple[float, float, str]]:
         """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta (None when void);
         with cells, the largest cell's (max epsilon, max delta)."""
-        if self.void is not None:
-            return None
+        return None if self.void is not None else self.bound
+
+    @property
+    def bound(self) -> Optional[tuple[float, float, str]]:
+        """The guarantee's numbers whether or not the run is void (what the run budget is checked against)."""
         if self.cells is not None:
             if self.basic is None:  # units or relations differ: nothing combines
                 return None
@@ -176,6 +205,9 @@ class PrivacyReport:
         lines = []
         for s in self.stages:
             budget = f" (budget eps={s.budget[0]:g}, delta={s.budget[1]:g})" if s.budget else ""
+            if s.shares_run_budget:
+                budget = (f" (budget: what the run's budget leaves after the other stages, by the run's guarantee; "
+                          f"nominal share eps={s.budget[0]:g}, delta={s.budget[1]:g})")
             lines.append(
                 f"stage {s.name!r}: eps={s.epsilon:.4g} at delta={s.delta:g}{budget}; unit: {s.unit}; "
                 f"analysis: {s.analysis}"
@@ -222,6 +254,7 @@ class PrivacyReport:
                     "budget": list(s.budget) if s.budget else None,
                     "events": [[event, count] for event, count in s.events],
                     "cells": None if s.cells is None else list(s.cells),
+                    "shares_run_budget": s.shares_run_budget,
                 }
                 for s in self.stages
             ],
@@ -321,14 +354,18 @@ class PrivacyLedger:
         for name, s in self.stages.items():
             if name in merged.stages:
                 other = merged.stages[name]
-                if (other.budget, other.mechanism, other.unit, other.delta) != (s.budget, s.mechanism, s.unit, s.delta):
+                if (other.budget, other.mechanism, other.unit, other.delta, other.shares_run_budget) != (
+                    s.budget, s.mechanism, s.unit, s.delta, s.shares_run_budget
+                ):
                     raise ValidationError(
-                        "journal", f"stage {name!r} on disk ({other.budget}, {other.mechanism}, {other.unit}) differs "
-                        f"from this run's ({s.budget}, {s.mechanism}, {s.unit})"
+                        "journal", f"stage {name!r} on disk ({other.budget}, {other.mechanism}, {other.unit}, shares "
+                        f"the run budget: {other.shares_run_budget}) differs from this run's ({s.budget}, "
+                        f"{s.mechanism}, {s.unit}, {s.shares_run_budget})"
                     )
             else:
                 merged.stage(name, budget=s.budget, mechanism=s.mechanism, unit=s.unit,
-                             delta=None if s.budget else s.delta, cells=s.cells)
+                             delta=None if s.budget else s.delta, cells=s.cells,
+                             shares_run_budget=s.shares_run_budget)
                 merged.stages[name].analysis = s.analysis
             for event, count in s.accountant.history:
                 merged._charge(name, event, count)
@@ -366,10 +403,14 @@ class PrivacyLedger:
         delta: Optional[float] = None,
         analysis: Optional[str] = None,
         cells: Optional[tuple[str, ...] | list[str]] = None,
+        shares_run_budget: bool = False,
     ) -> Stage:
         """Open a stage. ``delta`` (only without a budget) is the delta its epsilon is reported at.
 
         ``cells``: the cells of the declared partition whose units this stage touches (None: every unit).
+
+        ``shares_run_budget``: the stage may spend past its ``budget`` (then its nominal share of the run budget)
+        while the run's guarantee stays within the run budget (see the module docstring); needs a run budget.
 
         ``analysis`` names what proved the recorded events' guarantees when the accountant only composes them
         (e.g. a sparse-vector proof whose (eps, delta) runs the PLD composes); default: the accountant's name.
@@ -393,9 +434,11 @@ class PrivacyLedger:
         cells = self._check_cells(name, cells)
         if self.budget is not None:
             self._check_fits_run(name, budget, cells)
+        self._check_sharing(name, bool(shares_run_budget), cells)
         composed_by = analysis_name(mechanism)
         label = composed_by if analysis is None else f"{analysis}; composed by {composed_by}"
-        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label, cells=cells)
+        stage = Stage(name, budget, mechanism, unit, Accountant(mechanism), float(delta), label, cells=cells,
+                      shares_run_budget=bool(shares_run_budget))
         self.stages[name] = stage
         try:
             self._write()
@@ -441,6 +484,45 @@ class PrivacyLedger:
                     f"(eps={self.budget[0]:g}, delta={self.budget[1]:g})",
                 )
 
+    def _check_sharing(self, name: str, shares: bool, cells: Optional[tuple[str, ...]]) -> None:
+        """A stage sharing the run budget needs one, and composes sequentially with every other stage."""
+        if shares and self.budget is None:
+            raise PrivacyBudgetError(
+                f"ledger.{name}.shares_run_budget", "only a ledger with a run budget has a budget to share"
+            )
+        sharing = shares or self._sharing()
+        if sharing and (cells is not None or any(s.cells is not None for s in self.stages.values())):
+            raise ValidationError(
+                f"ledger.{name}.cells", "a stage sharing the run budget composes sequentially with every stage: "
+                "stages over cells of a partition cannot be mixed with it"
+            )
+
+    def _sharing(self) -> bool:
+        """Whether some stage shares the run budget (every charge is then checked against the run's guarantee)."""
+        return any(s.shares_run_budget for s in self.stages.values())
+
+    def shared_budget(self, stage: str, delta: float) -> SharedBudget:
+        """The target a stage sharing the run budget is calibrated against (``dporl.privacy.calibration``'s
+        ``prior``): the run's epsilon, the total delta of every stage (``delta``: this stage's, which need not be
+        open yet) and every other stage's events. Any sigma / count calibrated to fit it leaves the run's guarantee
+        (at most the joint PLD it bounds) within the run budget; events a PLD cannot analyse are refused."""
+        if self.budget is None:
+            raise PrivacyBudgetError(f"ledger.{stage}.shares_run_budget", "only a ledger with a run budget has a "
+                                     "budget to share")
+        delta = check_probability(f"ledger.{stage}.delta", delta, allow_zero=False, allow_one=False)
+        others = [s for s in self.stages.values() if s.name != stage]
+        total = sum(s.delta for s in others) + delta
+        if not within_budget(total, self.budget[1]):
+            raise PrivacyBudgetError(
+                f"ledger.{stage}.delta", f"the stages' deltas would total {total:.3g}, more than the run's "
+                f"delta={self.budget[1]:g}"
+            )
+        prior = tuple((e, c) for s in others for e, c in s.accountant.history if c)
+        for event, _ in prior:
+            if not spends_nothing(event):
+                event_pld(event)  # a named refusal when the joint analysis cannot cover an earlier stage
+        return SharedBudget(self.budget[0], total, prior)
+
     def _get(self, name: str) -> Stage:
         if name not in self.stages:
             raise ValidationError("ledger.stage", f"no stage {name!r} (stages: {list(self.stages)})")
@@ -477,6 +559,10 @@ class PrivacyLedger:
             self._reserve(s, event, count)
         before = s.accountant.state_dict() if self._journal is not None else None
         s.accountant.record(event, count)
+        if self._sharing():  # the other stages' headroom was verified against the run's state before this charge
+            for other in self.stages.values():
+                if other is not s:
+                    other.headroom = (None, 0)
         try:
             self._write()
         except BaseException:  # not durable: not charged, and the caller must not run the mechanism
@@ -506,7 +592,17 @@ class PrivacyLedger:
         return good
 
     def _fits(self, s: Stage, event: PrivacyEvent, count: int) -> bool:
-        return within_budget(s.accountant.epsilon_with([(event, count)], s.delta), s.budget[0])
+        """Whether ``count`` more ``event`` fit: the stage's own budget (unless it shares the run's) and, while some
+        stage shares the run budget, the run's guarantee as ``report()`` computes it."""
+        if not s.shares_run_budget and not within_budget(
+            s.accountant.epsilon_with([(event, count)], s.delta), s.budget[0]
+        ):
+            return False
+        return not self._sharing() or self._run_fits(self._report((s.name, event, count)))
+
+    def _run_fits(self, report: "PrivacyReport") -> bool:
+        bound = report.bound
+        return bound is not None and within_budget(bound[0], self.budget[0]) and within_budget(bound[1], self.budget[1])
 
     def _reserve(self, s: Stage, event: PrivacyEvent, count: int) -> None:
         held_event, held = s.headroom
@@ -523,6 +619,15 @@ class PrivacyLedger:
         s.grant = count
         if not self._fits(s, event, count):
             spent = s.accountant.get_epsilon(s.delta)
+            if self._sharing():
+                bound = self.report().bound
+                raise PrivacyBudgetError(
+                    f"ledger.{s.name}",
+                    f"recording {count} x {event} would take the run's guarantee past its budget "
+                    f"eps={self.budget[0]:g}, delta={self.budget[1]:g} (stage spent so far: eps={spent:.4g} at "
+                    f"delta={s.delta:g}; run so far: {'none' if bound is None else f'eps={bound[0]:.4g}'}); "
+                    "nothing was recorded",
+                )
             raise PrivacyBudgetError(
                 f"ledger.{s.name}",
                 f"recording {count} x {event} would exceed the budget eps={s.budget[0]:g} at delta={s.delta:g} "
@@ -536,23 +641,46 @@ class PrivacyLedger:
         return s.accountant.get_epsilon(s.delta)
 
     def report(self) -> PrivacyReport:
+        report = self._report()
+        guarantee = report.guarantee
+        if self.budget is not None and guarantee is not None and not self._run_fits(report):
+            # unreachable while every charge is checked; a guarantee above the budget is never printed
+            raise PrivacyBudgetError(
+                "ledger.budget", f"the run's guarantee ({guarantee[0]:.4g}, {guarantee[1]:g}) exceeds its budget "
+                f"{self.budget}: refusing to report it"
+            )
+        return report
+
+    def _report(self, extra: Optional[tuple[str, PrivacyEvent, int]] = None) -> PrivacyReport:
+        """The report, as if ``extra`` = (stage, event, count) were recorded too: the one traversal that both prints
+        the run's guarantee and decides whether a charge keeps it within the run budget."""
+        histories = {name: list(s.accountant.history) for name, s in self.stages.items()}
+        if extra is not None:
+            histories[extra[0]].append((extra[1], extra[2]))
+
+        def spent(s: Stage) -> float:
+            if extra is None or extra[0] != s.name:
+                return s.accountant.get_epsilon(s.delta)
+            return s.accountant.epsilon_with([(extra[1], extra[2])], s.delta)
+
         stages = [
             StageReport(
                 s.name,
                 s.unit,
                 s.analysis,
-                self.spent(s.name),
+                spent(s),
                 s.delta,
                 s.budget,
-                [(event_to_dict(e), c) for e, c in s.accountant.history],
+                [(event_to_dict(e), c) for e, c in histories[s.name]],
                 s.cells,
+                s.shares_run_budget,
             )
             for s in self.stages.values()
         ]
         notes: list[str] = [f"assumes: {a}" for a in self.assumptions]
         units = list(dict.fromkeys(s.unit for s in self.stages.values()))
         unit = units[0] if len(units) == 1 else None
-        relations = sorted(self._relations())
+        relations = sorted(self._relations(histories))
         basic = None
         if not stages:
             notes.append("no stage recorded")
@@ -566,25 +694,16 @@ class PrivacyLedger:
             basic = (sum(s.epsilon for s in stages), sum(s.delta for s in stages))
         joint, joint_note = None, ""
         if basic is not None and len(stages) > 1:
-            joint, joint_note = self._joint(list(self.stages.values()), basic[1])
+            joint, joint_note = self._joint(list(self.stages.values()), histories, basic[1])
         cells = None
         if self.unit_partition is not None and any(s.cells is not None for s in self.stages.values()):
-            cells = [self._cell(name, stages) for name in self.unit_partition.names]
-        report = PrivacyReport(
+            cells = [self._cell(name, stages, histories) for name in self.unit_partition.names]
+        return PrivacyReport(
             stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes,
             list(self.paper_claims), self.void_reason, self.unit_partition, cells,
         )
-        guarantee = report.guarantee
-        if self.budget is not None and guarantee is not None and not (
-            within_budget(guarantee[0], self.budget[0]) and within_budget(guarantee[1], self.budget[1])
-        ):  # unreachable while every stage keeps its budget; a guarantee above the budget is never printed
-            raise PrivacyBudgetError(
-                "ledger.budget", f"the run's guarantee ({guarantee[0]:.4g}, {guarantee[1]:g}) exceeds its budget "
-                f"{self.budget}: refusing to report it"
-            )
-        return report
 
-    def _cell(self, name: str, reports: list[StageReport]) -> CellReport:
+    def _cell(self, name: str, reports: list[StageReport], histories: dict[str, list]) -> CellReport:
         """Sequential composition of the stages touching cell ``name``: the smaller of basic and joint PLD."""
         touching = [s for s in self.stages.values() if s.cells is None or name in s.cells]
         by_name = {r.name: r for r in reports}
@@ -593,22 +712,24 @@ class PrivacyLedger:
         basic = (sum(by_name[s.name].epsilon for s in touching), sum(s.delta for s in touching))
         if len(touching) == 1:
             return CellReport(name, [touching[0].name], *basic, touching[0].analysis)
-        joint, _ = self._joint(touching, basic[1])
+        joint, _ = self._joint(touching, histories, basic[1])
         if joint is not None and joint[0] < basic[0]:
             return CellReport(name, [s.name for s in touching], *joint, "joint PLD over the cell's stages")
         return CellReport(name, [s.name for s in touching], *basic, "basic composition of the cell's stages")
 
-    def _relations(self) -> set[Relation]:
-        """The neighbouring relations the recorded events were analysed under (bounded change for reward units)."""
+    def _relations(self, histories: dict[str, list]) -> set[Relation]:
+        """The neighbouring relations the events were analysed under (bounded change for reward units)."""
         return {
             Relation.BOUNDED_CHANGE if s.unit.bounded_change else adjacency(e)
             for s in self.stages.values()
-            for e, c in s.accountant.history
+            for e, c in histories[s.name]
             if c and not spends_nothing(e)
         }
 
-    def _joint(self, stages: list[Stage], total_delta: float) -> tuple[Optional[tuple[float, float]], str]:
-        events = [(e, c) for s in stages for e, c in s.accountant.history]
+    def _joint(
+        self, stages: list[Stage], histories: dict[str, list], total_delta: float
+    ) -> tuple[Optional[tuple[float, float]], str]:
+        events = [(e, c) for s in stages for e, c in histories[s.name]]
         try:
             for event, _ in events:
                 if not spends_nothing(event):
@@ -631,6 +752,7 @@ class PrivacyLedger:
                     "analysis": s.analysis,
                     "accountant": s.accountant.state_dict(),
                     "cells": None if s.cells is None else list(s.cells),
+                    "shares_run_budget": s.shares_run_budget,
                 }
                 for s in self.stages.values()
             ],
@@ -677,16 +799,22 @@ class PrivacyLedger:
             s = restored.stage(
                 entry["name"], budget=budget, mechanism=entry["mechanism"], unit=PrivacyUnit.from_dict(entry["unit"]),
                 delta=None if budget else entry["delta"], cells=entry.get("cells"),
+                shares_run_budget=_flag(entry.get("shares_run_budget", False)),
             )
             if not isinstance(entry["analysis"], str):
                 raise ValidationError("ledger", f"stage {s.name!r}: analysis must be a string")
             s.analysis = entry["analysis"]
             s.accountant.load_state_dict(entry["accountant"])
-            if s.budget is not None and not within_budget(restored.spent(s.name), s.budget[0]):
+            own = s.budget is not None and not s.shares_run_budget  # a sharing stage: the run's check below
+            if own and not within_budget(restored.spent(s.name), s.budget[0]):
                 raise PrivacyBudgetError(
                     f"ledger.{s.name}", f"the saved state spends eps={restored.spent(s.name):.4g}, over the stage "
                     f"budget eps={s.budget[0]:g}: refusing to load it"
                 )
+        if restored._sharing() and not restored._run_fits(restored._report()):
+            raise PrivacyBudgetError(
+                "ledger.budget", f"the saved state puts the run past its budget {restored.budget}: refusing to load it"
+            )
         restored.paper_claims = [
             PaperClaim(str(c["name"]), float(c["epsilon"]), float(c["delta"]), str(c["source"]))
             for c in state.get("paper_claims", [])
@@ -696,6 +824,12 @@ class PrivacyLedger:
             raise ValidationError("ledger.void", f"must be a string or null, got {void!r}")
         restored.void_reason = void
         return restored
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError("ledger.shares_run_budget", f"must be true or false, got {value!r}")
+    return value
 
 
 def _check_budget(field: str, budget: Any) -> tuple[float, float]:

@@ -36,6 +36,10 @@ class DPConfig:
     max_grad_norm: float = 1.0
     accountant: Literal["rdp", "prv", "pld"] = "rdp"
     clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
+    # True: `epsilon` is this stage's nominal share of the run budget of the ledger it records in; the stage is
+    # calibrated (sigma or steps) so that the RUN's guarantee, one joint PLD over every stage's events at the total
+    # delta, meets the run budget (PrivacyLedger.shared_budget), and may spend past its share to get there.
+    share_run_budget: bool = False
     # None: the run's secret root comes from the OS CSPRNG. An integer (>= 128 bits of it for a real release)
     # reproduces the run exactly and must be kept like the data: anyone who knows it can subtract the noise and
     # knows which units each step sampled. Pipelines pass their run's SecretRoot to the Trainer instead.

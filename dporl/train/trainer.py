@@ -100,30 +100,46 @@ def _lr_factor(config: OptimizerConfig) -> Callable[[int], float]:
 
 
 def plan_privacy(
-    dp: Optional[DPConfig], cap: Optional[int], step_event: Callable[[float], Optional[PrivacyEvent]]
+    dp: Optional[DPConfig],
+    cap: Optional[int],
+    step_event: Callable[[float], Optional[PrivacyEvent]],
+    *,
+    ledger: Optional[PrivacyLedger] = None,
+    stage: str = "train",
 ) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
     """(noise multiplier, per-step event, steps allowed) of a training stage whose source states ``step_event``.
 
+    With ``dp.share_run_budget`` the stage ``stage`` of ``ledger`` (the run's, or a scratch ledger holding the
+    earlier stages' events as they will be recorded) is planned against the run budget: its steps composed with
+    every other stage's events by one PLD fit the run's epsilon at the total delta (``PrivacyLedger.shared_budget``).
     Pure: pipelines call it before their first write, so an impossible budget is refused with nothing written.
     """
     if dp is None or not dp.enabled:
         if cap is None:
             raise ValidationError("trainer.max_steps", "a non-private run needs a step cap")
         return None, None, cap
+    epsilon, delta, mechanism, prior = dp.epsilon, dp.delta, dp.accountant, ()
+    if dp.share_run_budget:
+        if ledger is None:
+            raise ValidationError("dp.share_run_budget",
+                                  "a stage sharing the run budget is planned in the run's ledger")
+        target = ledger.shared_budget(stage, dp.delta)
+        epsilon, delta, prior, mechanism = target.epsilon, target.delta, target.prior, target.mechanism
     sigma = dp.noise_multiplier
     if sigma is None:
         if cap is None:
             raise ValidationError(
                 "dp.noise_multiplier", "give a noise multiplier, or trainer.max_steps to calibrate one for"
             )
-        sigma = calibrate_noise_multiplier(dp.epsilon, dp.delta, cap, make_event=step_event, mechanism=dp.accountant)
+        sigma = calibrate_noise_multiplier(epsilon, delta, cap, make_event=step_event, mechanism=mechanism, prior=prior)
     event = step_event(sigma)
     if event is None:
         raise ValidationError("dp.enabled", "the batch source has no private branch; disable dp for it")
-    allowed = max_steps(event, dp.epsilon, dp.delta, mechanism=dp.accountant, limit=cap)
+    allowed = max_steps(event, epsilon, delta, mechanism=mechanism, limit=cap, prior=prior)
     if allowed == 0:
         raise PrivacyBudgetError(
-            "dp.epsilon", f"not even one step fits epsilon={dp.epsilon} at delta={dp.delta} with sigma={sigma:g}"
+            "dp.epsilon", f"not even one step fits epsilon={epsilon} at delta={delta} with sigma={sigma:g}"
+            + (" beside the run's other stages" if prior else "")
         )
     return sigma, event, allowed
 
@@ -197,7 +213,8 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _plan_privacy(self) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
         """(noise multiplier, per-step event, total privacy-costing steps allowed)."""
-        return plan_privacy(self.dp, self.config.max_steps, self.source.step_event)
+        return plan_privacy(self.dp, self.config.max_steps, self.source.step_event, ledger=self.ledger,
+                            stage=self.stage)
 
     def _open_stage(self) -> None:
         """The private stage of this run, in the ledger: budget, analysis and the privacy unit (the source's grouping
@@ -207,16 +224,21 @@ class Trainer:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
         unit = as_unit(unit)
         budget = (self.dp.epsilon, self.dp.delta)
+        shares = self.dp.share_run_budget
         if self.stage not in self.ledger.stages:
-            self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit)
+            self.ledger.stage(self.stage, budget=budget, mechanism=self.dp.accountant, unit=unit,
+                              shares_run_budget=shares)
             return
         existing = self.ledger.stages[self.stage]
         # A stage opened by the pipeline must be the one this loop plans for, or the step count would be wrong.
-        if (existing.budget, existing.mechanism, existing.unit) != (budget, self.dp.accountant, unit):
+        if (existing.budget, existing.mechanism, existing.unit, existing.shares_run_budget) != (
+            budget, self.dp.accountant, unit, shares
+        ):
             raise ValidationError(
                 "ledger.stage",
                 f"stage {self.stage!r} exists with budget {existing.budget}, {existing.mechanism}, unit "
-                f"{existing.unit}; this run needs {budget}, {self.dp.accountant}, unit {unit}",
+                f"{existing.unit}, shares the run budget: {existing.shares_run_budget}; this run needs {budget}, "
+                f"{self.dp.accountant}, unit {unit}, {shares}",
             )
 
     def _trainable(self) -> list[nn.Parameter]:
