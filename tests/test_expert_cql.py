@@ -13,6 +13,8 @@ from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import get_pipeline
 from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, run
+from dporl.privacy.calibration import calibrate_noise_multiplier
+from dporl.privacy.events import MixtureEvent, PoissonGaussianEvent
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
@@ -117,13 +119,45 @@ def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
     (stage,) = summary["privacy"]["stages"]
     assert stage["name"] == TRAIN_STAGE and stage["budget"] == [2.0, 1e-5]
     assert 0 < summary["steps"] < 1_000 and stage["epsilon"] <= 2.0
+    # Single stage, unchanged: the largest step count, so within one step of the budget (epsilon grows about like
+    # sqrt(steps) here: one step of ~56 moves it by ~1 / 112 < 1%).
+    assert summary["privacy"]["guarantee"]["epsilon"] >= 0.99 * 2.0
     assert summary["release"] is None
+
+
+def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, capsys):
+    """Algorithm 3's training stage takes what the release leaves under the joint PLD of both stages: the printed
+    guarantee meets the run budget (within 1%, never above), with less noise than the fixed eps - eps1 split."""
+    cfg = config(logged, tmp_path, epsilon=2.0, **{"dp.noise_multiplier": None})
+    summary = run(cfg)
+    guarantee = summary["privacy"]["guarantee"]
+    # sigma is calibrated to a relative 1e-3 (epsilon moves at most ~2x as fast); 1e-12: the ledger's round-off.
+    assert 0.99 * 2.0 <= guarantee["epsilon"] <= 2.0 * (1 + 1e-12) and guarantee["delta"] == pytest.approx(1e-5)
+    assert "joint PLD" in guarantee["analysis"] and summary["steps"] == 30
+    stages = {s["name"]: s for s in summary["privacy"]["stages"]}
+    assert stages[TRAIN_STAGE]["shares_run_budget"] and not stages["release"]["shares_run_budget"]
+    assert stages[TRAIN_STAGE]["budget"] == [1.0, 5e-6]  # the nominal share, past which the stage may spend
+    fixed = calibrate_noise_multiplier(
+        1.0, 5e-6, 30, make_event=lambda sigma: MixtureEvent(0.5, PoissonGaussianEvent(sigma, 16 / M)))
+    assert summary["noise_multiplier"] < 0.9 * fixed
+    assert f"GUARANTEE: ({guarantee['epsilon']:.4g}, 1e-05)-DP" in capsys.readouterr().out
+
+
+def test_a_release_that_leaves_no_training_step_is_refused_before_anything_is_written(logged, tmp_path):
+    # f = 0.99: the release's T = 5 runs compose to ~9.9 of 10 even at the total delta (few (eps, delta) pairs
+    # compose almost additively), and one sigma = 1 step at rate 16 / 600 costs more than the 0.1 left.
+    with pytest.raises(PrivacyBudgetError) as info:
+        run(config(logged, tmp_path, release_fraction=0.99))
+    assert info.value.field == "dp.epsilon" and "beside the run's other stages" in str(info.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_stable_only_and_non_private(logged, tmp_path):
     stable = run(config(logged, tmp_path / "s", method="stable_only"))
     (stage,) = stable["privacy"]["stages"]
     assert stage["name"] == "release" and stage["budget"] == [10.0, 1e-5]
+    # The release alone has the whole budget; its per-run eps' is the largest that fits (to a relative 1e-4).
+    assert 0.99 * 10.0 <= stable["privacy"]["guarantee"]["epsilon"] <= 10.0 * (1 + 1e-12)
     assert stable["stable_transitions"] > 0
     plain = run(config(logged, tmp_path / "n", method="non_private"))
     assert plain["privacy"]["stages"] == [] and plain["privacy"]["guarantee"] is None
