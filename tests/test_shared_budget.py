@@ -100,6 +100,9 @@ def test_refusals_hold_on_resume_and_no_state_past_the_budget_loads():
     with pytest.raises(PrivacyBudgetError):
         resumed.authorise("train", event, 1)
     assert resumed.report().guarantee[:2] == ledger.report().guarantee[:2]
+    reader = PrivacyLedger()  # a ledger without a budget of its own (reading a journal) takes the saved one
+    reader.load_state_dict(saved)
+    assert reader.budget == (5.0, DELTA) and reader.remaining("train", event, 10) == 0
     # A state whose training stage holds one block more than fits is refused, whatever its stage budgets say.
     tampered = {**saved, "stages": [dict(s) for s in saved["stages"]]}
     accountant = tampered["stages"][1]["accountant"]

@@ -376,6 +376,7 @@ class PrivacyLedger:
             merged.void(self.void_reason)
         self.stages, self.paper_claims, self.void_reason = merged.stages, merged.paper_claims, merged.void_reason
         self.unit_partition, self.assumptions = merged.unit_partition, merged.assumptions
+        self.budget = merged.budget
 
     def paper_claim(self, name: str, epsilon: float, delta: float, source: str) -> PaperClaim:
         """Record a published analysis's figure that is NOT a guarantee for this run (see ``PaperClaim``)."""
@@ -765,8 +766,8 @@ class PrivacyLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved state (a JSON-safe dict). Every restored stage and event is checked against this ledger's
-        run budget and each stage's own, so no state on disk can produce a guarantee above the budget; a malformed
-        state is a ValidationError naming "ledger", never a KeyError."""
+        run budget (the saved one when this ledger has none) and each stage's own, so no state on disk can produce a
+        guarantee above the budget; a malformed state is a ValidationError naming "ledger", never a KeyError."""
         try:
             restored = self._restore(state)
         except ValidationError:
@@ -775,6 +776,7 @@ class PrivacyLedger:
             raise ValidationError("ledger", f"saved ledger state is malformed ({type(exc).__name__}: {exc})") from None
         self.stages, self.paper_claims, self.void_reason = restored.stages, restored.paper_claims, restored.void_reason
         self.unit_partition, self.assumptions = restored.unit_partition, restored.assumptions
+        self.budget = restored.budget
         self._ahead = {}
         self._write()
 
@@ -787,7 +789,9 @@ class PrivacyLedger:
                 "ledger.budget", f"the saved ledger was made for a run budget {tuple(saved_budget)}, this run's is "
                 f"{self.budget}"
             )
-        restored = PrivacyLedger(self.budget)
+        # A ledger without a run budget of its own (e.g. one reading a journal) takes the saved one.
+        budget = self.budget if self.budget is not None or saved_budget is None else saved_budget
+        restored = PrivacyLedger(budget)
         if state.get("partition") is not None:
             restored.partition(UnitPartition.from_dict(state["partition"]))
         assumptions = state.get("assumptions", [])
