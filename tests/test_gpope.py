@@ -242,3 +242,34 @@ def test_feature_and_policy_networks_are_frozen():
     policy = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Softmax(-1))
     module = GPOPE(features, target_policy=policy)
     assert [name for name, p in module.named_parameters() if p.requires_grad] == ["theta", "w"]
+
+
+def test_iterate_averaging_is_post_processing(tmp_path):
+    # Same data, same secret seeds, with and without tail averaging: the ledgers must hold the same events (averaging
+    # releases nothing new: every iterate is already a released mechanism), the iterates must be identical, and
+    # the averaged estimate must be the plain mean of the iterates after average_from (recorded by an evaluator
+    # that runs after every step).
+    data = tabular_trajectories(n=50)
+    histories, iterates, modules = [], [], []
+    for k, average_from in enumerate((None, 20)):
+        source = PoissonUnitSource(data, torch.arange(50), 50, sample_rate=0.04)
+        module = GPOPE(OneHot(5), GPOPEConfig(gamma=GAMMA, average_from=average_from))
+        seen = []
+        dp = DPConfig(epsilon=5.0, delta=1e-5, noise_multiplier=1.5, max_grad_norm=1.0, noise_seed=3, clipping="naive")
+        config = TrainerConfig(max_steps=40, eval_every=1, checkpoint_every=40, log_every=40, progress=False,
+                               optimizer=OptimizerConfig(name="sgd", lr=0.1))
+        trainer = Trainer(module, source, config=config, dp=dp, ledger=PrivacyLedger(), run_dir=tmp_path / str(k),
+                          pipeline="ope", pipeline_config={"test": True},
+                          evaluators={"iterate": lambda mod: seen.append(mod.theta.detach().clone()) or {}})
+        trainer.fit()
+        histories.append(list(trainer.ledger.stages["train"].accountant.history))
+        iterates.append(torch.stack(seen))
+        modules.append(module)
+    assert histories[0] == histories[1] and sum(count for _, count in histories[0]) == 40
+    torch.testing.assert_close(iterates[0], iterates[1], rtol=0, atol=0)
+    last, averaged = modules
+    torch.testing.assert_close(last.estimate(), iterates[0][-1], rtol=0, atol=0)
+    expected = iterates[1][20:].double().mean(0).float()
+    torch.testing.assert_close(averaged.estimate(), expected, rtol=1e-6, atol=1e-7)
+    assert int(averaged.n_averaged) == 20
+    assert not torch.allclose(averaged.estimate(), last.estimate())  # the noisy last iterate is not the average

@@ -143,7 +143,10 @@ def dp_lsw_sigma(
     delta: float,
     return_bound: float,
 ) -> tuple[float, float]:
-    """(sigma_X, psi) of DP-LSW: psi = max_{0<=k<=max|X_s|} e^{-k beta} sum_s w_s / max(|X_s| - k, 1)^2."""
+    """(sigma_X, psi) of DP-LSW: psi = max_{0<=k<=max|X_s|} e^{-k beta} sum_s w_s / max(|X_s| - k, 1)^2.
+
+    ||(Gamma^{1/2} Phi)^+|| is the spectral norm of the pseudo-inverse (1 / sqrt(min positive w) for tabular Phi).
+    """
     alpha, beta = smooth_sensitivity_constants(epsilon, delta, int(features.shape[1]))
     counts = counts.double()
     k = torch.arange(int(counts.max()) + 1, dtype=torch.float64).unsqueeze(1)  # [K+1, 1]
@@ -166,13 +169,20 @@ def dp_lsw(
 ) -> OutputPerturbationResult:
     """DP-LSW (Algorithm 1 of Balle et al.): LSW solution plus Gaussian noise of smooth-sensitivity scale.
 
-    ``features`` is the public [N, d] matrix Phi; ``weights`` the positive w_s (default 1 for every state).
+    ``features`` is the public [N, d] matrix Phi; ``weights`` the public regression weights w_s >= 0 (default 1 for
+    every state). Give w_s = 0 to states no trajectory can visit (visit probability p_s = 0, e.g. an absorbing
+    terminal state), as Balle et al. do (Corollary 11): such a state has |X_s| = 0 forever, so with w_s = 1 it
+    adds w_s / max(0 - k, 1)^2 = 1 to phi(k) for every k and keeps psi >= 1, a noise floor no amount of data lowers.
+    The weights must be public (a property of the MDP, not of the logged data): zeroing the states a particular
+    dataset happens not to visit would make w depend on one trajectory, which the smooth-sensitivity analysis
+    (fixed w) does not cover. The bound ||theta_X - theta_X'|| <= ||(Gamma^{1/2} Phi)^+|| ||F_X - F_X'||_{2,Gamma}
+    holds for any fixed w >= 0 (theta is the minimum-norm least-squares solution, linear in F_X).
     """
     n_states = int(data.returns.shape[1])
     features = _check_features(features, n_states)
     weights = _check_weights("weights", torch.ones(n_states) if weights is None else weights, n_states, None)
-    if (weights <= 0).any():
-        raise ValidationError("weights", "DP-LSW needs strictly positive weights w_s")
+    if not (weights > 0).any():
+        raise ValidationError("weights", "DP-LSW needs at least one positive regression weight w_s")
     check_positive("return_bound", return_bound)
     sigma, psi = dp_lsw_sigma(data.visit_counts, features, weights, epsilon, delta, return_bound)
     theta = gaussian_output_perturbation(lsw_estimate(data, features, weights), sigma, noise)

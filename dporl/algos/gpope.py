@@ -12,7 +12,13 @@ forming A_i or C_i (Phi, Phi' are the tau x n feature matrices of the trajectory
 
 batched over padded trajectories. The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds
 N(0, sigma^2 h^2) and takes an SGD step [theta; w] -= beta * direction, which is GTD2. The module never adds
-noise. Sampling (Poisson over trajectories, or the paper's one trajectory per update) and its accounting belong
+noise.
+
+Iterate averaging (``GPOPEConfig.average_from``): the released estimate is the mean of theta over the iterates after
+step ``average_from`` (0: Polyak-Ruppert averaging of every iterate; N/2: the last half, "tail" averaging) instead of
+the last iterate. Every iterate is already covered by the accounting (each noisy step is a released mechanism), so
+the average is post-processing: it records no privacy event and changes nothing the ledger sees. Averaging cancels
+part of the injected noise that a constant step size otherwise leaves in the final iterate (Theorem 2's term II). Sampling (Poisson over trajectories, or the paper's one trajectory per update) and its accounting belong
 to the batch source and the privacy layer; ``paper_lemma1_epsilon`` gives the paper's own figure for comparison.
 """
 
@@ -34,11 +40,16 @@ from dporl.utils.validation import ValidationError, check_positive, check_probab
 class GPOPEConfig:
     gamma: float = 0.99
     dtype: str = "float32"  # "float64" for exact convergence checks
+    # Release the mean of theta over the iterates after this step (0: Polyak averaging of all of them); None: the
+    # last iterate. Post-processing of the noisy iterates: no privacy cost.
+    average_from: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_probability("gpope.gamma", self.gamma)
         if self.dtype not in ("float32", "float64"):
             raise ValidationError("gpope.dtype", f"must be float32 or float64, got {self.dtype!r}")
+        if self.average_from is not None and (isinstance(self.average_from, bool) or self.average_from < 0):
+            raise ValidationError("gpope.average_from", f"must be a step >= 0 or None, got {self.average_from!r}")
 
 
 class GPOPE(nn.Module):
@@ -61,6 +72,9 @@ class GPOPE(nn.Module):
         dtype = getattr(torch, self.config.dtype)
         self.theta = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # primal: value weights
         self.w = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # dual (GTD2's auxiliary weights)
+        # Running sum of the averaged iterates (float64: the mean of 1e6 iterates must not lose the noise's cancellation)
+        self.register_buffer("theta_sum", torch.zeros(n_features, dtype=torch.float64))
+        self.register_buffer("n_averaged", torch.zeros((), dtype=torch.int64))
         # A feature network or a target-policy network is public and fixed: freeze it so that only (theta, w)
         # are trainable (the Trainer privatises every trainable parameter).
         for fixed in (features, target_policy):
@@ -87,10 +101,25 @@ class GPOPE(nn.Module):
             counts = torch.bincount(batch.unit_index, minlength=batch.n_units).clamp_min(1)
             return units / counts.unsqueeze(1).to(rows.dtype)
 
-    def values(self, observations: torch.Tensor) -> torch.Tensor:
-        """V(s) = theta . phi(s) for observations [..., d]."""
+    def on_step_end(self, step: int) -> None:
+        """Called by the Trainer after optimizer step ``step`` (1-based): accumulate theta for the average."""
+        start = self.config.average_from
+        if start is not None and step > start:
+            with torch.no_grad():
+                self.theta_sum += self.theta.detach().double()
+                self.n_averaged += 1
+
+    def estimate(self) -> torch.Tensor:
+        """The released value weights: the average of the iterates after ``average_from``, else the last iterate."""
         with torch.no_grad():
-            return self.features(observations).to(self.theta.dtype) @ self.theta
+            if self.config.average_from is not None and int(self.n_averaged) > 0:
+                return (self.theta_sum / self.n_averaged).to(self.theta.dtype)
+            return self.theta.detach().clone()
+
+    def values(self, observations: torch.Tensor) -> torch.Tensor:
+        """V(s) = theta . phi(s) for observations [..., d], with the released (possibly averaged) theta."""
+        with torch.no_grad():
+            return self.features(observations).to(self.theta.dtype) @ self.estimate()
 
 
 def primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, gamma: float) -> torch.Tensor:
