@@ -89,6 +89,35 @@ def test_primal_dual_gradient_matches_dense_and_spec_formula(off_policy):
     torch.testing.assert_close(dense, reference, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_tabular_path_equals_the_dense_gradient(off_policy):
+    # One-hot features with state_index take the O(tau) gather/scatter path: same B_i as the spec's loop, including
+    # terminal and truncated endings, off-policy ratios and a batch padded wider than its longest trajectory.
+    from dporl.algos.gpope import tabular_primal_dual_gradients
+    from dporl.envs.features import TabularFeatures
+
+    g = torch.Generator().manual_seed(4)
+    data = random_trajectories(n=7, obs_dim=1)
+    data["observations"] = torch.randint(0, 6, data["observations"].shape, generator=g).float()
+    features = TabularFeatures(6)
+    policy = uniform_policy(3) if off_policy else None
+    theta, w = torch.randn(6, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    fast = tabular_primal_dual_gradients(features, data, policy, theta, w, GAMMA)
+    one_hot = lambda obs: features(obs).double()  # noqa: E731
+    reference = loop_reference(one_hot, data, theta, w, GAMMA, 1.0 / 3 if off_policy else None)
+    torch.testing.assert_close(fast, reference, rtol=1e-10, atol=1e-10)
+    # Through the module: the batch is cut to its longest trajectory first (here padded by 3 extra columns).
+    wide = {k: torch.nn.functional.pad(v, (0, 3)) if k in ("actions", "rewards", "mask", "behavior_log_probs")
+            else v for k, v in data.items()}
+    wide["observations"] = torch.nn.functional.pad(data["observations"], (0, 0, 0, 3))
+    module = GPOPE(features, GPOPEConfig(gamma=GAMMA, dtype="float64"), target_policy=policy)
+    with torch.no_grad():
+        module.theta.copy_(theta)
+        module.w.copy_(w)
+    directions = module.unit_directions(Batch(wide, torch.arange(7), 7, private=True))
+    torch.testing.assert_close(directions, reference, rtol=1e-10, atol=1e-10)
+
+
 def test_unit_directions_average_rows_of_the_same_unit():
     data = random_trajectories(n=4)
     module = GPOPE(LinearFeatures(3, 5), GPOPEConfig(gamma=GAMMA, dtype="float64"))

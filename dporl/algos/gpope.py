@@ -10,7 +10,11 @@ forming A_i or C_i (Phi, Phi' are the tau x n feature matrices of the trajectory
     A_i theta  = Phi^T (rho * (D theta)) / tau      A_i^T w = D^T (rho * (Phi w)) / tau
     C_i w      = Phi^T (Phi w) / tau                b_i     = Phi^T (rho * r) / tau
 
-batched over padded trajectories. The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds
+batched over padded trajectories, each batch cut to its own longest trajectory. Features with a
+``state_index(obs)`` method (one-hot tabular features) take an O(tau) path instead: Phi w = w[s_t], and Phi^T v is
+a scatter-add of v into the visited states, which makes the chain's 1e5-trajectory runs affordable.
+
+The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds
 N(0, sigma^2 h^2) and takes an SGD step [theta; w] -= beta * direction, which is GTD2. The module never adds
 noise.
 
@@ -31,7 +35,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dporl.algos.lstd import FeatureMap, TargetPolicy, TDTerms, td_terms
+from dporl.algos.lstd import FeatureMap, TargetPolicy, TDTerms, importance_ratios, td_terms
 from dporl.privacy.units import TRAJECTORY
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -93,7 +97,13 @@ class GPOPE(nn.Module):
     def unit_directions(self, batch) -> torch.Tensor:
         """[n_units, 2n]: the primal-dual gradient of each sampled trajectory (mean over its rows if several)."""
         with torch.no_grad():
-            rows = primal_dual_gradients(self.terms(batch.data), self.theta, self.w, self.config.gamma)
+            data = _trim_padding(batch.data)
+            if hasattr(self.features, "state_index"):
+                rows = tabular_primal_dual_gradients(
+                    self.features, data, self.target_policy, self.theta, self.w, self.config.gamma
+                )
+            else:
+                rows = primal_dual_gradients(self.terms(data), self.theta, self.w, self.config.gamma)
             if batch.n_rows == batch.n_units and torch.equal(batch.unit_index, torch.arange(batch.n_units)):
                 return rows  # one row per trajectory (the usual trajectory-level batch)
             units = torch.zeros(batch.n_units, rows.shape[1], dtype=rows.dtype)
@@ -134,6 +144,55 @@ def primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, 
     primal_weights = terms.rho * dual * (-inv_tau)
     dual_part = torch.bmm(dual_weights.unsqueeze(1), terms.phi).squeeze(1)
     primal_part = torch.bmm(primal_weights.unsqueeze(1), delta_phi).squeeze(1)
+    return torch.cat([primal_part, dual_part], dim=1)
+
+
+def _trim_padding(data):
+    """The batch's padded tensors cut to its longest trajectory (rows come from a dataset padded to its longest)."""
+    mask = data["mask"]
+    width = int(mask.sum(1).max()) if mask.shape[0] else 0
+    if width in (0, mask.shape[1]):
+        return data
+    trimmed = dict(data)
+    for key in ("actions", "rewards", "mask", "behavior_log_probs"):
+        if trimmed.get(key) is not None:
+            trimmed[key] = trimmed[key][:, :width]
+    trimmed["observations"] = data["observations"][:, : width + 1]
+    return trimmed
+
+
+def tabular_primal_dual_gradients(features, data, target_policy, theta: torch.Tensor, w: torch.Tensor,
+                                  gamma: float) -> torch.Tensor:
+    """B_i(theta, w) for one-hot features (``features.state_index``): [N, 2n] in O(N L) by gathers and scatter-adds.
+
+    Same quantities as ``primal_dual_gradients`` with phi_t = e_{s_t}: phi_t . x = x[s_t] and
+    sum_t v_t phi_t = scatter-add of v_t at s_t; phi_{t+1} is zero after a terminal transition and on padding.
+    """
+    valid = data["mask"].bool()
+    dtype = theta.dtype
+    mask = valid.to(dtype)
+    n_traj, horizon = mask.shape
+    if data["observations"].shape[:2] != (n_traj, horizon + 1):
+        raise ValidationError("observations", f"expected [N, L+1, ...] = [{n_traj}, {horizon + 1}, ...], got "
+                              f"{tuple(data['observations'].shape)}")
+    lengths = mask.sum(1)
+    if n_traj and lengths.min() < 1:
+        raise ValidationError("mask", "every trajectory needs at least one transition")
+    index = features.state_index(data["observations"])  # [N, L+1]
+    states, following = index[:, :-1], index[:, 1:]
+    later = torch.nn.functional.pad(valid[:, 1:], (0, 1))
+    next_valid = (later | (valid & ~data["terminated"].bool().unsqueeze(1))).to(dtype)
+    rho = importance_ratios(data, target_policy, dtype)
+    rewards = data["rewards"].to(dtype) * mask
+    inv_tau = lengths.reciprocal().unsqueeze(1)
+    value_gap = theta[states] * mask - gamma * theta[following] * next_valid
+    dual = w[states] * mask
+    dual_weights = (rho * (value_gap - rewards) + dual) * inv_tau
+    primal_weights = rho * dual * (-inv_tau)
+    n = theta.shape[0]
+    dual_part = torch.zeros(n_traj, n, dtype=dtype).scatter_add_(1, states, dual_weights)
+    primal_part = torch.zeros(n_traj, n, dtype=dtype).scatter_add_(1, states, primal_weights)
+    primal_part.scatter_add_(1, following, primal_weights * next_valid * (-gamma))
     return torch.cat([primal_part, dual_part], dim=1)
 
 

@@ -42,7 +42,8 @@ class TabularFeatures:
             raise ValidationError("n_states", f"must be a positive integer, got {n_states!r}")
         self.n_features = int(n_states)
 
-    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+    def state_index(self, obs: torch.Tensor) -> torch.Tensor:
+        """The validated integer state of each observation, ``[...]`` (the position of the one)."""
         obs = _check_obs(obs, 1)
         index = obs[..., 0]
         if obs.is_floating_point() and not torch.equal(index, index.round()):
@@ -50,7 +51,11 @@ class TabularFeatures:
         index = index.long()
         if index.numel() and (index.min() < 0 or index.max() >= self.n_features):
             raise ValidationError("obs", f"state indices must lie in [0, {self.n_features})")
-        return nn.functional.one_hot(index, self.n_features).to(_float_dtype(obs))
+        return index
+
+    def __call__(self, obs: torch.Tensor) -> torch.Tensor:
+        obs = _check_obs(obs, 1)
+        return nn.functional.one_hot(self.state_index(obs), self.n_features).to(_float_dtype(obs))
 
 
 class StateAggregation:
