@@ -132,6 +132,14 @@ class GPOPE(nn.Module):
             return self.features(observations).to(self.theta.dtype) @ self.estimate()
 
 
+def released_theta(state: dict) -> torch.Tensor:
+    """The estimate a saved GPOPE state_dict released: the averaged iterates if it averaged any, else theta."""
+    count = state.get("n_averaged")
+    if count is not None and int(count) > 0:
+        return (state["theta_sum"] / count).to(state["theta"].dtype)
+    return state["theta"]
+
+
 def primal_dual_gradients(terms: TDTerms, theta: torch.Tensor, w: torch.Tensor, gamma: float) -> torch.Tensor:
     """B_i(theta, w) for every trajectory in ``terms``: [N, 2n], O(N L n) (never forms A_i or C_i)."""
     delta_phi = terms.phi - gamma * terms.phi_next  # [N, L, n]

@@ -100,27 +100,26 @@ def expert_cql_audits(
 
 def ope_audits(data: Mapping[str, Any]) -> list[Experiment]:
     from dporl.pipelines.ope import OPEConfig
-    from dporl.privacy.samplers import FixedSizeSource
+    from dporl.pipelines.ope.runners import make_plan, planned_noise
 
     config = from_dict(OPEConfig, data)
     settings = config.gpope
     m = min(config.m_values)  # the smallest dataset of the sweep: the largest per-step claim
     clip = settings.clip_norm or 1.0  # sigma is relative to h: the claim does not depend on h (tuned when None)
-    if settings.mode == "poisson":
-        q = min(1.0, settings.expected_batch_size / m)  # as the pipeline samples
-        make_event, steps = step_event_factory(q), max(1, round(settings.epochs / q))
-    else:  # the paper's one trajectory per update, replace-one
-        make_event = FixedSizeSource({"x": torch.zeros(m, 1)}, torch.arange(m), m, 1).step_event
-        steps = max(1, round(settings.epochs * m))
-    sigma = settings.noise_multiplier
+    # The fewest passes the run may choose: the least noise per step, so the largest per-step claim.
+    plan = make_plan(config, m, settings.epochs if settings.epochs is not None else min(settings.epochs_grid))
+    q = min(1.0, plan.batch / m)
+    sigma, budget = planned_noise(config, plan)  # sigma calibrated for a replace-one budget where asked
     if sigma is None:
         sigma = calibrate_noise_multiplier(
-            config.epsilon, config.delta, steps, make_event=make_event, mechanism=settings.accountant
+            budget, config.delta, plan.steps, make_event=plan.event, mechanism=settings.accountant
         )
     common = {"noise_multiplier": sigma, "max_grad_norm": clip, "delta": config.delta}
     if settings.mode == "poisson":
         audits = [build_audit("gpope", {**common, "sample_rate": q, "accountant": settings.accountant})]
     else:
+        if plan.batch != 1:
+            raise ValidationError("gpope.expected_batch_size", "the paper-mode audit covers one trajectory per update")
         audits = [build_audit("gpope_paper", {**common, "n_trajectories": m})]
     # The pipeline runs DP-LSW / DP-LSL on finite state spaces only (the chain), as their analysis requires.
     for method in config.output_perturbation.methods if config.experiment == "chain" else []:

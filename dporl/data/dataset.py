@@ -432,6 +432,56 @@ class TrajectoryDataset:
             metadata=metadata,
         )
 
+    @classmethod
+    def from_padded(
+        cls,
+        *,
+        observations: Any,
+        actions: Any,
+        rewards: Any,
+        mask: Any,
+        terminated: Any,
+        metadata: DatasetMetadata,
+        behavior_log_probs: Any = None,
+        expert_ids: Any = None,
+    ) -> "TrajectoryDataset":
+        """The inverse of ``padded()``, vectorised: episodes as rows [N, L(+1), ...] with a prefix ``mask`` [N, L].
+
+        Episode i keeps its first ``mask[i].sum()`` transitions and the observations up to the one after its last
+        step; it ends terminated where ``terminated[i]``, else truncated. ``expert_ids`` default to 0.
+        """
+        def array(name: str, value: Any) -> np.ndarray:
+            return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+        mask = array("mask", mask).astype(bool)
+        if mask.ndim != 2:
+            raise ValidationError("mask", f"expected [N, L], got shape {mask.shape}")
+        n, width = mask.shape
+        lengths = mask.sum(1).astype(np.int64)
+        if not np.array_equal(mask, np.arange(width)[None, :] < lengths[:, None]):
+            raise ValidationError("mask", "each row must be a prefix of True values (an episode, then padding)")
+        observations = array("observations", observations)
+        if observations.shape[:2] != (n, width + 1):
+            raise ValidationError("observations", f"expected [{n}, {width + 1}, ...], got {observations.shape}")
+        keep_obs = np.arange(width + 1)[None, :] <= lengths[:, None]
+        terminated = array("terminated", terminated).astype(bool).reshape(n)
+        last = np.cumsum(lengths) - 1
+        terminations = np.zeros(int(lengths.sum()), dtype=bool)
+        truncations = np.zeros(int(lengths.sum()), dtype=bool)
+        terminations[last], truncations[last] = terminated, ~terminated
+        return cls(
+            observations=observations[keep_obs],
+            actions=array("actions", actions)[mask],
+            rewards=array("rewards", rewards)[mask],
+            terminations=terminations,
+            truncations=truncations,
+            episode_lengths=lengths,
+            expert_ids=np.zeros(n, dtype=np.int64) if expert_ids is None else array("expert_ids", expert_ids),
+            behavior_log_probs=None if behavior_log_probs is None else array("behavior_log_probs",
+                                                                           behavior_log_probs)[mask],
+            metadata=metadata,
+        )
+
     # ------------------------------------------------------------------ basic accessors
     @property
     def n_episodes(self) -> int:
