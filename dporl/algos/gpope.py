@@ -14,16 +14,16 @@ batched over padded trajectories, each batch cut to its own longest trajectory. 
 ``state_index(obs)`` method (one-hot tabular features) take an O(tau) path instead: Phi w = w[s_t], and Phi^T v is
 a scatter-add of v into the visited states, which makes the chain's 1e5-trajectory runs affordable.
 
-The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds
-N(0, sigma^2 h^2) and takes an SGD step [theta; w] -= beta * direction, which is GTD2. The module never adds
-noise.
+The shared Trainer clips each B_i to ``max_grad_norm`` (the paper's h), adds N(0, sigma^2 h^2) and takes an SGD step
+[theta; w] -= beta * direction, which is GTD2. The module never adds noise. Sampling (Poisson over trajectories, or
+the paper's one trajectory per update) and its accounting belong to the batch source and the privacy layer;
+``paper_lemma1_epsilon`` gives the paper's own figure for comparison.
 
 Iterate averaging (``GPOPEConfig.average_from``): the released estimate is the mean of theta over the iterates after
 step ``average_from`` (0: Polyak-Ruppert averaging of every iterate; N/2: the last half, "tail" averaging) instead of
 the last iterate. Every iterate is already covered by the accounting (each noisy step is a released mechanism), so
 the average is post-processing: it records no privacy event and changes nothing the ledger sees. Averaging cancels
-part of the injected noise that a constant step size otherwise leaves in the final iterate (Theorem 2's term II). Sampling (Poisson over trajectories, or the paper's one trajectory per update) and its accounting belong
-to the batch source and the privacy layer; ``paper_lemma1_epsilon`` gives the paper's own figure for comparison.
+part of the injected noise that a constant step size otherwise leaves in the final iterate (Theorem 2's term II).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class GPOPE(nn.Module):
         dtype = getattr(torch, self.config.dtype)
         self.theta = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # primal: value weights
         self.w = nn.Parameter(torch.zeros(n_features, dtype=dtype))  # dual (GTD2's auxiliary weights)
-        # Running sum of the averaged iterates (float64: the mean of 1e6 iterates must not lose the noise's cancellation)
+        # Running sum of the averaged iterates (float64: a mean over 1e6 iterates must keep the noise's cancellation)
         self.register_buffer("theta_sum", torch.zeros(n_features, dtype=torch.float64))
         self.register_buffer("n_averaged", torch.zeros((), dtype=torch.int64))
         # A feature network or a target-policy network is public and fixed: freeze it so that only (theta, w)

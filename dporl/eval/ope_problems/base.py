@@ -125,7 +125,8 @@ class LoggedProblem:
             raise ValidationError("n", f"need 1 <= n <= {self.dataset.n_episodes} logged trajectories, got {n}")
         if n == self.dataset.n_episodes:
             return self.dataset
-        return self.dataset.subset(torch.randperm(self.dataset.n_episodes, generator=generator)[:n].sort().values.numpy())
+        chosen = torch.randperm(self.dataset.n_episodes, generator=generator)[:n].sort().values
+        return self.dataset.subset(chosen.numpy())
 
     def metrics(self, theta: torch.Tensor) -> dict[str, float]:
         return {} if self._heldout is None else self._heldout(theta)

@@ -31,7 +31,9 @@ class GPOPESettings:
     # at the public LSTD solution), the quantile tuned over clip_quantile_grid.
     clip_norm: Optional[float] = None
     clip_quantile_grid: list[float] = field(default_factory=lambda: [0.5, 0.9])
-    step_size: Optional[float] = None  # None: tuned on public data over step_size_grid, separately for every m
+    # The paper's step size beta for one trajectory per update. An update averaging B trajectories takes B * beta
+    # (linear scaling: a pass moves as far whatever B). None: tuned on public data over step_size_grid, per m.
+    step_size: Optional[float] = None
     step_size_grid: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0])
     step_size_multipliers: list[float] = field(default_factory=lambda: [1.0, 0.1, 10.0])
     schedule: Literal["constant", "inverse_time"] = "constant"

@@ -65,8 +65,8 @@ def setting_name(config: OPEConfig) -> str:
 def gpope_analysis(config: OPEConfig) -> str:
     gp = config.gpope
     if gp.mode == "paper":
-        return (f"{analysis_name('rdp')}, sampling without replacement (Wang, Balle, Kasiviswanathan 2019), replace one "
-                "trajectory")
+        return (f"{analysis_name('rdp')}, sampling without replacement (Wang, Balle, Kasiviswanathan 2019), "
+                "replace one trajectory")
     text = f"{analysis_name(gp.accountant)}, Poisson sampling, add/remove one trajectory"
     if gp.relation == "replace_one":
         text += f"; replace-one epsilon: {CONVERSION}; sigma calibrated for the replace-one budget"
@@ -96,8 +96,8 @@ def write_results(
         f"GPOPE: {gpope_analysis(config)}; averaging: {config.gpope.averaging}.",
     ]
     if any(r["method"] in ("dp_lsw", "dp_lsl") for r in rows):
-        lines.append("DP-LSW / DP-LSL: smooth-sensitivity Gaussian output perturbation (Balle et al. 2016), replace one "
-                     "trajectory; DP-LSW weights 0 on states no trajectory can visit.")
+        lines.append("DP-LSW / DP-LSL: smooth-sensitivity Gaussian output perturbation (Balle et al. 2016), replace "
+                     "one trajectory; DP-LSW weights 0 on states no trajectory can visit.")
     header = ["method", "m", "trials"] + [metric_labels[k] for k in keys] + [
         f"eps ({RELATION_WORDS[relation]})", f"eps ({RELATION_WORDS[other]}, for reference)"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -110,10 +110,11 @@ def write_results(
         lines.append("| " + " | ".join(cells) + " |")
     paper = [e for e in table if "paper_lemma1_epsilon" in e]
     if paper:
+        figures = ", ".join(f"m={e['m']} ({e['method']}): eps={e['paper_lemma1_epsilon']:.4g}" for e in paper)
         lines += ["", "The paper's Lemma 1 moments bound for the same runs (the paper's figure, NOT dporl's guarantee): "
-                  + ", ".join(f"m={e['m']} ({e['method']}): eps={e['paper_lemma1_epsilon']:.4g}" for e in paper)]
+                  + figures]
     lines += ["", "Tuned on public data: " + "; ".join(
-        f"m={m}: step size {v['step_size']:g}, clip norm {v['clip_norm']:.3g}"
+        f"m={m}: step size {v['step_size']:g} per trajectory, clip norm {v['clip_norm']:.3g}"
         + (f" (public gradient-norm quantile {v['clip_quantile']:g})" if v.get("clip_quantile") is not None else "")
         + f", {v['epochs']:g} passes (batch {v['batch']:g}, {v['steps']} updates, sigma {v['noise_multiplier']:.4g})"
         + (f", DP-LSL lambda scale {v['lsl_lambda_scale']:g}" if v.get("lsl_lambda_scale") else "")

@@ -7,6 +7,7 @@ average of the iterates (post-processing). When the budget is for replace-one ne
 calibrated by the replace-one analysis of ``dporl.privacy.relations`` and the stage's add/remove budget is what the
 ledger's own analysis charges for those N steps.
 
+The step size is per trajectory (the paper's beta at B = 1): an update that averages B trajectories takes B * beta.
 Hyper-parameters (step size, clip norm h, number of passes) come from an independent public dataset of the same size,
 never from the private one. h is a quantile of the per-trajectory gradient norms on that public data, taken at
 theta = 0 and at the public LSTD solution (the two ends of the optimisation path), so the grid always contains clip
@@ -139,9 +140,8 @@ def run_gpope(
         config=TrainerConfig(
             max_steps=steps, seed=run_info.get("trial", 0), log_every=max(1, steps // 20), eval_every=steps,
             checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False, resume=True,
-            optimizer=OptimizerConfig(
-                name="sgd", lr=hyper.step_size, schedule=settings.schedule, time_offset=settings.time_offset
-            ),
+            optimizer=OptimizerConfig(name="sgd", lr=hyper.step_size * plan.batch, schedule=settings.schedule,
+                                      time_offset=settings.time_offset),
         ),
         dp=DPConfig(
             epsilon=budget, delta=config.delta, noise_multiplier=sigma, max_grad_norm=hyper.clip_norm,
