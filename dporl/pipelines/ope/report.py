@@ -111,8 +111,8 @@ def write_results(
     paper = [e for e in table if "paper_lemma1_epsilon" in e]
     if paper:
         figures = ", ".join(f"m={e['m']} ({e['method']}): eps={e['paper_lemma1_epsilon']:.4g}" for e in paper)
-        lines += ["", "The paper's Lemma 1 moments bound for the same runs (the paper's figure, NOT dporl's guarantee): "
-                  + figures]
+        lines += ["", "The paper's Lemma 1 moments bound for the same runs (the paper's figure, NOT dporl's "
+                  "guarantee): " + figures]
     lines += ["", "Tuned on public data: " + "; ".join(
         f"m={m}: step size {v['step_size']:g} per trajectory, clip norm {v['clip_norm']:.3g}"
         + (f" (public gradient-norm quantile {v['clip_quantile']:g})" if v.get("clip_quantile") is not None else "")
