@@ -302,3 +302,16 @@ def test_iterate_averaging_is_post_processing(tmp_path):
     torch.testing.assert_close(averaged.estimate(), expected, rtol=1e-6, atol=1e-7)
     assert int(averaged.n_averaged) == 20
     assert not torch.allclose(averaged.estimate(), last.estimate())  # the noisy last iterate is not the average
+
+
+@pytest.mark.parametrize("weighting", ["trajectory", "transition"])
+def test_chunked_statistics_equal_the_one_shot_ones(weighting):
+    from dporl.algos.lstd import sample_td_statistics
+
+    data = random_trajectories(n=11)
+    features = LinearFeatures(3, 5)
+    whole = td_statistics(td_terms(features, data, uniform_policy(3), dtype=torch.float64), GAMMA, weighting)
+    chunked = sample_td_statistics(features, data, GAMMA, target_policy=uniform_policy(3), weighting=weighting,
+                                   chunk=4)
+    for name in ("A", "b", "C"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=1e-12, atol=1e-14)

@@ -129,6 +129,35 @@ def td_statistics(terms: TDTerms, gamma: float, weighting: Weighting = "trajecto
     return LinearTDStatistics(A, b, C)
 
 
+def sample_td_statistics(
+    features: FeatureMap,
+    data: Mapping[str, torch.Tensor],
+    gamma: float,
+    *,
+    target_policy: Optional[TargetPolicy] = None,
+    weighting: Weighting = "transition",
+    chunk: int = 2048,
+) -> LinearTDStatistics:
+    """``td_statistics`` of all trajectories in ``data`` (float64), ``chunk`` trajectories at a time, so that memory
+    is O(chunk L n) rather than O(N L n) (1e5 chain trajectories as dense one-hot features would need ~7 GB).
+
+    Each chunk's statistics are its own averages; they combine with weights N_chunk / N (per-trajectory weighting)
+    or T_chunk / T (per-transition weighting, T = number of transitions).
+    """
+    mask = data["mask"]
+    n_traj = int(mask.shape[0])
+    if n_traj == 0:
+        raise ValidationError("mask", "no trajectories")
+    total = float(mask.sum())
+    parts = []
+    for start in range(0, n_traj, chunk):
+        rows = {k: v[start : start + chunk] for k, v in data.items() if isinstance(v, torch.Tensor)}
+        part = td_statistics(td_terms(features, rows, target_policy, dtype=torch.float64), gamma, weighting)
+        size = rows["mask"].shape[0] / n_traj if weighting == "trajectory" else float(rows["mask"].sum()) / total
+        parts.append((size, part))
+    return LinearTDStatistics(*(sum(size * getattr(part, name) for size, part in parts) for name in ("A", "b", "C")))
+
+
 def lstd_solution(stats: LinearTDStatistics, ridge: float = 0.0) -> torch.Tensor:
     """theta solving (A + ridge I) theta = b; least squares (minimum norm) when A is singular (unvisited features)."""
     A = stats.A.double() + ridge * torch.eye(stats.A.shape[0], dtype=torch.float64)
@@ -147,5 +176,5 @@ def lstd(
     ridge: float = 0.0,
 ) -> torch.Tensor:
     """LSTD(0) on-policy (``target_policy=None``) or WIS-LSTD(0) off-policy: not private."""
-    terms = td_terms(features, data, target_policy, dtype=torch.float64)
-    return lstd_solution(td_statistics(terms, gamma, weighting), ridge)
+    stats = sample_td_statistics(features, data, gamma, target_policy=target_policy, weighting=weighting)
+    return lstd_solution(stats, ridge)

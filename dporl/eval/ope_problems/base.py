@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 
-from dporl.algos.lstd import FeatureMap, LinearTDStatistics, TargetPolicy, Weighting, td_statistics, td_terms
+from dporl.algos.lstd import FeatureMap, LinearTDStatistics, TargetPolicy, Weighting, sample_td_statistics
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.ope_metrics import mspbe
 from dporl.utils.validation import ValidationError, check_probability
@@ -79,8 +79,10 @@ class HeldoutMSPBE:
     stats: dict[str, LinearTDStatistics] = field(init=False)
 
     def __post_init__(self) -> None:
-        terms = td_terms(self.features, self.data, self.target_policy, dtype=torch.float64)
-        self.stats = {w: td_statistics(terms, self.gamma, weighting=w) for w in self.weightings}
+        self.stats = {
+            w: sample_td_statistics(self.features, self.data, self.gamma, target_policy=self.target_policy, weighting=w)
+            for w in self.weightings
+        }
 
     def __call__(self, theta: torch.Tensor) -> dict[str, float]:
         out = {}
