@@ -117,9 +117,10 @@ def test_refuses_bad_parameters():
         dp_lsl(data, torch.eye(3), epsilon=EPS, delta=DELTA, return_bound=2.0, lam=1.0, noise=NoiseSource(0))
     with pytest.raises(ValidationError, match="features"):
         dp_lsw(data, torch.eye(2), epsilon=EPS, delta=DELTA, return_bound=2.0, noise=NoiseSource(0))
-    with pytest.raises(ValidationError, match="weights"):
-        dp_lsw(data, torch.eye(3), epsilon=EPS, delta=DELTA, return_bound=2.0, noise=NoiseSource(0),
-               weights=torch.tensor([1.0, 0.0, 1.0]))
+    for bad in ([1.0, -1.0, 1.0], [0.0, 0.0, 0.0], [1.0, math.nan, 1.0]):  # zero weights are allowed, not all-zero
+        with pytest.raises(ValidationError, match="weight"):
+            dp_lsw(data, torch.eye(3), epsilon=EPS, delta=DELTA, return_bound=2.0, noise=NoiseSource(0),
+                   weights=torch.tensor(bad))
     with pytest.raises(ValidationError, match="regression_weights"):
         dp_lsl(data, torch.eye(3), epsilon=EPS, delta=DELTA, return_bound=2.0, lam=5.0, noise=NoiseSource(0),
                regression_weights=torch.tensor([1.0, 1.5, 1.0]))
@@ -136,3 +137,20 @@ def test_release_is_recorded_in_the_ledger_at_its_epsilon():
     assert ledger.spent("dp_lsw") == pytest.approx(EPS, rel=1e-9)
     # Balle et al.'s smooth-sensitivity guarantee is for replacing one trajectory, and the report must say so.
     assert "replace one unit" in ledger.report().describe()
+
+
+def test_zero_weight_state_is_left_out_of_the_fit_and_the_noise_scale():
+    # w = (1, 0, 1): state 1 no longer enters LSW's weighted least squares (with tabular features its coordinate is
+    # the minimum-norm 0 before noise) nor phi(k), and ||(Gamma^1/2 Phi)^+|| = 1 / sqrt(min positive w) = 1.
+    data = first_visit_returns(tiny_dataset(), 3, GAMMA, return_bound=2.0)
+    weights = torch.tensor([1.0, 0.0, 1.0])
+    estimate = lsw_estimate(data, torch.eye(3), weights.double())
+    torch.testing.assert_close(estimate, torch.tensor([0.625, 0.0, 2 / 3], dtype=torch.float64))
+    alpha, beta = _alpha_beta(3)
+    counts = [2, 2, 3]
+    phi = [sum(w / max(n - k, 1) ** 2 for w, n in zip([1.0, 0.0, 1.0], counts)) for k in range(4)]
+    psi = max(math.exp(-k * beta) * phi[k] for k in range(4))
+    release = dp_lsw(data, torch.eye(3), epsilon=EPS, delta=DELTA, return_bound=2.0, noise=NoiseSource(7),
+                     weights=weights)
+    assert release.psi == pytest.approx(psi, rel=1e-12)
+    assert release.sigma == pytest.approx(alpha * 2.0 * math.sqrt(psi), rel=1e-12)
