@@ -93,7 +93,8 @@ def test_tuning_grid_is_public_and_not_degenerate(tmp_path):
                          output_perturbation={"methods": []})
     summary = get_pipeline("ope").run(config)
     tuned = summary["tuned"]["40"]
-    assert len(tuned["tuning_scores"]) == 8
+    assert len(tuned["tuning_scores"]) == 8 and all(math.isfinite(p["score"]) for p in tuned["tuning_scores"])
+    assert (tmp_path / "run" / "step_size_sensitivity.png").exists()
     problem = chain_problem(config.chain, config.gamma)
     from dporl.pipelines.ope import _generator
 

@@ -134,8 +134,23 @@ def write_results(
                        logx=True, logy=True,
                        title=f"{config.experiment}, eps={config.epsilon} ({RELATION_WORDS[relation]}), "
                              f"delta={config.delta}")
+    plot_step_size_sensitivity(run_dir / "step_size_sensitivity.png", tuned, metric_labels[headline], config)
     summary = {"config": to_dict(config), "table": table, "tuned": {str(k): dict(v) for k, v in tuned.items()},
                "metric_labels": dict(metric_labels), "privacy_unit": "trajectory", "relation": relation,
                "gpope_analysis": gpope_analysis(config), "timings_seconds": dict(timings)}
     atomic_write_json(run_dir / "summary.json", summary)
     return {"run_dir": str(run_dir), "table": table, "tuned": summary["tuned"]}
+
+
+def plot_step_size_sensitivity(path: Path, tuned: Mapping[int, Mapping[str, Any]], label: str, config: OPEConfig):
+    """Public-data score vs step size at each m's tuned clip quantile and passes (Xie et al.'s Figure 1(b))."""
+    series = {}
+    for m, values in tuned.items():
+        points = sorted((p["step_size"], p["score"]) for p in values.get("tuning_scores", [])
+                        if p["clip_quantile"] == values.get("clip_quantile") and p["epochs"] == values["epochs"]
+                        and math.isfinite(p["score"]) and p["score"] > 0)
+        if len(points) > 1:
+            series[f"m={m} ({values['epochs']:g} passes)"] = ([p[0] for p in points], [p[1] for p in points], None)
+    if series:
+        plot_lines(path, series, xlabel="step size per trajectory (public tuning runs)", ylabel=label, logx=True,
+                   logy=True, title=f"{config.experiment}: sensitivity to the step size, eps={config.epsilon}")
