@@ -97,6 +97,22 @@ class HeldoutMSPBE:
         }
 
 
+class SimulatedProblem:
+    """Mixin of the simulated problems: the truth is the MSPBE on a public held-out sample of the behaviour's data,
+    drawn once (``heldout_count`` trajectories, seed + 7) under every weighting in ``weightings``."""
+
+    weightings: tuple[Weighting, ...] = ("trajectory", "transition")
+    metric_prefix = "held-out"
+
+    def _draw_heldout(self, count: int, seed: int) -> None:
+        heldout = padded_data(self.sample(count, torch.Generator().manual_seed(seed + 7)))
+        self._heldout = HeldoutMSPBE(self.features, self.target_policy, self.gamma, heldout, self.weightings)
+        self.metric_labels = self._heldout.labels(self.metric_prefix)
+
+    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
+        return self._heldout(theta)
+
+
 @dataclass
 class LoggedProblem:
     """A user's own logged trajectories: no simulator and no truth, only the data (see the module docstring).

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
-from dporl.eval.ope_problems.base import HeldoutMSPBE, padded_data
+from dporl.eval.ope_problems.base import SimulatedProblem, padded_data
 from dporl.eval.ope_problems.policies import EpsilonGreedyPolicy, SoftmaxPolicy, sample_actions, uniform_policy
 from dporl.utils.validation import ValidationError, check_positive
 
@@ -108,9 +108,9 @@ def simulate_hiv(settings: HIVSettings, policy, n: int, generator: torch.Generat
 
 
 @dataclass
-class HIVProblem:
+class HIVProblem(SimulatedProblem):
     """Off-policy evaluation of the fitted-Q greedy policy from its softmax behaviour's episodes; relative MSPBE
-    (rewards in ``reward_scale`` units) on held-out behaviour data, both weightings."""
+    (rewards are stored in ``reward_scale`` units) on held-out behaviour data, both weightings."""
 
     settings: HIVSettings
     features: Any
@@ -118,17 +118,10 @@ class HIVProblem:
     target_policy: Any
     gamma: float
     seed: int
-    weightings = ("trajectory", "transition")
+    metric_prefix = "held-out relative"
 
     def __post_init__(self) -> None:
-        heldout = self.sample(self.settings.heldout_trajectories, torch.Generator().manual_seed(self.seed + 7))
-        self._heldout = HeldoutMSPBE(self.features, self.target_policy, self.gamma, padded_data(heldout),
-                                     self.weightings)
-        self.metric_labels = self._heldout.labels("held-out relative")
-
-    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
-        # Rewards are already in reward_scale units, so this MSPBE is the relative MSPBE.
-        return self._heldout(theta)
+        self._draw_heldout(self.settings.heldout_trajectories, self.seed)
 
     def sample(self, n: int, generator: torch.Generator) -> TrajectoryDataset:
         return simulate_hiv(self.settings, self.behaviour, n, generator)

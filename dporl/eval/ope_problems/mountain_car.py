@@ -16,7 +16,7 @@ import torch
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 from dporl.envs.mountain_car import N_ACTIONS, OBSERVATION_HIGH, OBSERVATION_LOW, MountainCarBatch
-from dporl.eval.ope_problems.base import HeldoutMSPBE, padded_data
+from dporl.eval.ope_problems.base import SimulatedProblem
 from dporl.eval.ope_problems.policies import EpsilonGreedyPolicy, sample_actions, uniform_policy
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
@@ -117,7 +117,7 @@ def simulate_mountain_car(policy, n: int, max_steps: int, generator: torch.Gener
 
 
 @dataclass
-class MountainCarProblem:
+class MountainCarProblem(SimulatedProblem):
     """On- or off-policy evaluation in MountainCar-v0 from the logged behaviour; held-out MSPBE, both weightings."""
 
     features: Any
@@ -127,16 +127,9 @@ class MountainCarProblem:
     max_episode_steps: int
     heldout: int
     seed: int
-    weightings = ("trajectory", "transition")
 
     def __post_init__(self) -> None:
-        heldout = self.sample(self.heldout, torch.Generator().manual_seed(self.seed + 7))
-        self._heldout = HeldoutMSPBE(self.features, self.target_policy, self.gamma, padded_data(heldout),
-                                     self.weightings)
-        self.metric_labels = self._heldout.labels("held-out")
-
-    def metrics(self, theta: torch.Tensor) -> dict[str, float]:
-        return self._heldout(theta)
+        self._draw_heldout(self.heldout, self.seed)
 
     def sample(self, n: int, generator: torch.Generator) -> TrajectoryDataset:
         return simulate_mountain_car(self.behaviour, n, self.max_episode_steps, generator)
