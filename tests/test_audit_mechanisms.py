@@ -25,6 +25,7 @@ CASES = [
     ("dpsgd_step", dpsgd_step_audit, {}, 4_000, 0.3),
     ("dpsgd_step_opacus", dpsgd_step_audit, {"mode": "opacus", "sample_rate": 0.3}, 4_000, 0.3),
     ("gpope", gpope_audit, {}, 4_000, 0.3),
+    ("gpope_replace_one", gpope_audit, {"replace_one": True}, 4_000, 0.3),
     ("gpope_paper", gpope_paper_audit, {}, 20_000, 0.05),
 ]
 

@@ -116,7 +116,8 @@ def ope_audits(data: Mapping[str, Any]) -> list[Experiment]:
         )
     common = {"noise_multiplier": sigma, "max_grad_norm": clip, "delta": config.delta}
     if settings.mode == "poisson":
-        audits = [build_audit("gpope", {**common, "sample_rate": q, "accountant": settings.accountant})]
+        audits = [build_audit("gpope", {**common, "sample_rate": q, "accountant": settings.accountant,
+                                        "replace_one": settings.relation == "replace_one"})]
     else:
         if plan.batch != 1:
             raise ValidationError("gpope.expected_batch_size", "the paper-mode audit covers one trajectory per update")

@@ -318,21 +318,42 @@ def gpope_audit(
     delta: float = 1e-5,
     accountant: str = "pld",
     noise_factor: float = 1.0,
+    replace_one: bool = False,
 ) -> Experiment:
     """One GPOPE update (Poisson mode) on D = canary trajectory + others vs D' = others (add/remove).
 
     The canary visits a state no other trajectory visits, with reward 1000, so its B_i is clipped to norm h along a
     direction u orthogonal to every other B_i. Statistic: the released update's projection on u.
+
+    ``replace_one``: D' replaces the canary by its mirror (reward -1000) instead of removing it, and the claim is the
+    replace-one analysis of the same Poisson events (``dporl.privacy.relations``): the two clipped directions point
+    nearly opposite ways, and the statistic is the projection on their difference.
     """
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    directions = {True: _gpope_directions(1000.0, n_trajectories - 1), False: _gpope_directions(None, n_trajectories - 1)}
+    other = -1000.0 if replace_one else None
+    others = n_trajectories - 1
+    directions = {True: _gpope_directions(1000.0, others), False: _gpope_directions(other, others)}
     canary_dir = directions[True][0] / directions[True][0].norm()
+    if replace_one:
+        mirror_dir = directions[False][0] / directions[False][0].norm()
+        canary_dir = (canary_dir - mirror_dir) / (canary_dir - mirror_dir).norm()
     if float((directions[True][1:] @ canary_dir).abs().max()) > 1e-4:
         raise AssertionError("the GPOPE canary is not orthogonal to the other trajectories")  # construction bug
     expected = q * n_trajectories
     event = step_event_factory(q)(sigma)
+    if replace_one:
+        from dporl.privacy.accountants import REPLACE_ONE
+        from dporl.privacy.relations import CONVERSION, epsilon_for_relation
+
+        claimed = epsilon_for_relation([(event, 1)], delta, REPLACE_ONE)
+        analysis = f"{event}, {CONVERSION}"
+        neighbours = "replace-one: canary trajectory (reward +1000) vs its mirror (reward -1000), Poisson sampling"
+    else:
+        claimed = epsilon_for([(event, 1)], delta, accountant)
+        analysis = f"{event} by {analysis_name(accountant)} (Poisson mode)"
+        neighbours = "add/remove a canary trajectory in a state no other visits, reward 1000 (B_i clipped to h)"
 
     def scores(n: int, on_d: bool, seed: int) -> np.ndarray:
         units = directions[on_d]
@@ -348,15 +369,15 @@ def gpope_audit(
 
     return Experiment(
         name="gpope",
-        claimed_epsilon=epsilon_for([(event, 1)], delta, accountant),
+        claimed_epsilon=claimed,
         delta=delta,
         privacy_unit="trajectory",
-        analysis=f"{event} by {analysis_name(accountant)} (Poisson mode)",
-        neighbours="add/remove a canary trajectory in a state no other visits, reward 1000 (B_i clipped to h)",
+        analysis=analysis,
+        neighbours=neighbours,
         scores=scores,
         chunk_trials=500,
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_trajectories": n_trajectories,
-                  "noise_factor": noise_factor},
+                  "noise_factor": noise_factor, "replace_one": replace_one},
     )
 
 
