@@ -44,7 +44,7 @@ def test_chain_pipeline_end_to_end(tmp_path, mode):
     summary = get_pipeline("ope").run(config)
     run_dir = tmp_path / "run"
     for name in ("results.csv", "results.md", "mspbe_vs_m.png", "rmse_vs_m.png", "summary.json"):
-        assert (run_dir / name).exists(), name
+        assert (run_dir / "curator" / name).exists(), name
     methods = {row["method"]: row for row in summary["table"]}
     assert set(methods) == {"lstd (non-private)", "theta = 0 (no data)", *private}
     for name in private:  # every private method at the one relation of the comparison: replace-one
@@ -54,8 +54,8 @@ def test_chain_pipeline_end_to_end(tmp_path, mode):
 
     # The GPOPE run's ledger (in its checkpoint) equals a fresh analysis of the event its source states, and the
     # replace-one epsilon reported is the conversion of exactly those events.
-    checkpoint = load_checkpoint(run_dir / "m20" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
-    run_summary = json.loads((run_dir / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    checkpoint = load_checkpoint(run_dir / "m20" / "trial0" / "gpope_x1" / "curator" / "checkpoints" / "last.pt")
+    run_summary = json.loads((run_dir / "m20" / "trial0" / "gpope_x1" / "curator" / "train_summary.json").read_text())
     sigma, steps = run_summary["noise_multiplier"], run_summary["budget_steps"]
     assert steps == 20  # one pass, one trajectory per update
     event = (PoissonGaussianEvent(sigma, 1 / 20) if mode == "poisson"
@@ -70,7 +70,7 @@ def test_chain_pipeline_end_to_end(tmp_path, mode):
         assert math.isnan(methods["gpope (1x step)"]["epsilon_add_remove"])  # replace-one says nothing of it
     else:
         assert methods["gpope (1x step)"]["epsilon_add_remove"] == pytest.approx(stage["epsilon"], rel=1e-12)
-    text = (run_dir / "results.md").read_text()
+    text = (run_dir / "curator" / "results.md").read_text()
     assert "replace one trajectory" in text and "for reference" in text
 
     # evaluate.py's hook recomputes the released (tail-averaged) estimate's exact MSPBE from the checkpoint alone.
@@ -94,7 +94,7 @@ def test_tuning_grid_is_public_and_not_degenerate(tmp_path):
     summary = get_pipeline("ope").run(config)
     tuned = summary["tuned"]["40"]
     assert len(tuned["tuning_scores"]) == 8 and all(math.isfinite(p["score"]) for p in tuned["tuning_scores"])
-    assert (tmp_path / "run" / "step_size_sensitivity.png").exists()
+    assert (tmp_path / "run" / "curator" / "step_size_sensitivity.png").exists()
     problem = chain_problem(config.chain, config.gamma)
     from dporl.pipelines.ope import _generator
 
@@ -201,7 +201,7 @@ def test_mountain_car_off_policy_scores_both_weightings(tmp_path):
     gp = methods["gpope (1x step)"]
     assert 0 < gp["epsilon"] <= config.epsilon
     assert math.isfinite(gp["mspbe_mean"]) and math.isfinite(gp["mspbe_transition_mean"])
-    assert "per-trajectory weighting" in (tmp_path / "run" / "results.md").read_text()
+    assert "per-trajectory weighting" in (tmp_path / "run" / "curator" / "results.md").read_text()
 
 
 def test_each_weighting_has_its_own_minimiser():
@@ -229,7 +229,8 @@ def test_given_noise_multiplier_runs_the_most_steps_the_budget_allows(tmp_path):
                          output_perturbation={"methods": []})
     summary = get_pipeline("ope").run(config)
     gpope_row = next(row for row in summary["table"] if row["method"].startswith("gpope"))
-    run_summary = json.loads((tmp_path / "run" / "m20" / "trial0" / "gpope_x1" / "summary.json").read_text())
+    run_summary = json.loads(
+        (tmp_path / "run" / "m20" / "trial0" / "gpope_x1" / "curator" / "train_summary.json").read_text())
     allowed = max_steps(PoissonGaussianEvent(2.0, 1 / 20), 1.0, config.delta, mechanism="rdp")
     assert run_summary["steps"] == allowed > 20
     assert run_summary["noise_multiplier"] == 2.0
@@ -271,7 +272,7 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
     assert {"theta = 0 (no data)", "gpope (1x step)"} < set(methods)
     assert 0 < methods["gpope (1x step)"]["epsilon"] <= config.epsilon
     assert all(math.isfinite(row["mspbe_mean"]) for row in summary["table"])
-    assert "HIV treatment" in (tmp_path / "run" / "results.md").read_text()
+    assert "HIV treatment" in (tmp_path / "run" / "curator" / "results.md").read_text()
 
     # Logged log-probabilities are the behaviour's (softmax of Q); the target is greedy w.r.t. the same Q.
     problem = hiv_problem(config.hiv, config.gamma, config.seed)
@@ -284,7 +285,7 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
     assert torch.equal(problem.target_policy(states).argmax(-1), q.argmax(-1))
 
     # evaluate.py's hook rebuilds the same (seeded, public) problem and rescores the released theta.
-    checkpoint = load_checkpoint(tmp_path / "run" / "m6" / "trial0" / "gpope_x1" / "checkpoints" / "last.pt")
+    checkpoint = load_checkpoint(tmp_path / "run" / "m6" / "trial0" / "gpope_x1" / "curator" / "checkpoints" / "last.pt")
     metrics = get_pipeline("ope").evaluate(checkpoint, episodes=1, seed=0, out_dir=tmp_path / "eval")
     assert metrics["mspbe"] == pytest.approx(problem.metrics(released_theta(checkpoint["algorithm"]))["mspbe"],
                                              rel=1e-9)

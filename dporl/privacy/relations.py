@@ -32,8 +32,6 @@ import math
 from typing import Callable, Sequence
 
 from dporl.privacy.accountants import (
-    ADD_REMOVE,
-    REPLACE_ONE,
     Mechanism,
     _closed_form_epsilon,
     adjacency,
@@ -49,8 +47,10 @@ from dporl.privacy.events import (
     PoissonGaussianEvent,
     PrivacyEvent,
 )
+from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
+ADD_REMOVE, REPLACE_ONE = Relation.ADD_REMOVE, Relation.REPLACE_ONE
 RELATIONS = (ADD_REMOVE, REPLACE_ONE)
 REPLACE_ONE_DISCRETIZATION = 1e-4
 
@@ -61,17 +61,22 @@ CONVERSION = (
 )
 
 
-def relation_of(history: Sequence[tuple[PrivacyEvent, int]]) -> str:
+def relation_of(history: Sequence[tuple[PrivacyEvent, int]]) -> Relation:
     """The one neighbouring relation a history's events were analysed under (add/remove for an empty history)."""
     relations = {adjacency(event) for event, count in history if count and not spends_nothing(event)}
     if len(relations) > 1:
-        raise ValidationError("events", f"a history mixes neighbouring relations {sorted(relations)}")
+        raise ValidationError("events", f"a history mixes neighbouring relations {sorted(map(str, relations))}")
     return relations.pop() if relations else ADD_REMOVE
 
 
-def check_relation(field: str, relation: str) -> str:
+def check_relation(field: str, relation: Relation | str) -> Relation:
+    """``relation`` as a ``Relation`` (add/remove or replace-one; its value string is accepted too)."""
+    try:
+        relation = Relation(relation)
+    except ValueError:
+        relation = None
     if relation not in RELATIONS:
-        raise ValidationError(field, f"unknown neighbouring relation {relation!r}; use one of {list(RELATIONS)}")
+        raise ValidationError(field, f"unknown neighbouring relation; use one of {[str(r) for r in RELATIONS]}")
     return relation
 
 
@@ -136,14 +141,14 @@ def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float
 
 
 def epsilon_for_relation(
-    history: Sequence[tuple[PrivacyEvent, int]], delta: float, relation: str, *, mechanism: Mechanism = "rdp"
+    history: Sequence[tuple[PrivacyEvent, int]], delta: float, relation: Relation, *, mechanism: Mechanism = "rdp"
 ) -> float:
     """Epsilon at ``delta`` of ``history`` for ``relation`` neighbours.
 
     A history already analysed under ``relation`` goes to ``epsilon_for`` with ``mechanism``; an add/remove history
     asked for replace-one is converted as the module docstring says; replace-one to add/remove is refused.
     """
-    check_relation("relation", relation)
+    relation = check_relation("relation", relation)
     check_probability("delta", delta, allow_zero=False, allow_one=False)
     history = [(event, check_count("count", count)) for event, count in history]
     native = relation_of(history)
@@ -164,7 +169,7 @@ def calibrate_for_relation(
     steps: int,
     *,
     make_event: Callable[[float], PrivacyEvent],
-    relation: str,
+    relation: Relation,
     mechanism: Mechanism = "rdp",
     rel_tolerance: float = 1e-3,
 ) -> float:
@@ -177,7 +182,7 @@ def calibrate_for_relation(
 
     check_positive("epsilon", epsilon)
     check_probability("delta", delta, allow_zero=False, allow_one=False)
-    check_relation("relation", relation)
+    relation = check_relation("relation", relation)
     steps = check_count("steps", steps, minimum=1)
 
     def spent(sigma: float) -> float:

@@ -8,8 +8,9 @@ on the private data would leak), then GPOPE also runs at the configured step-siz
 robustness; DP-LSL's lambda is tuned the same way. Each trial also reports the non-private LSTD / WIS-LSTD solution
 under every weighting the problem scores, and theta = 0 (the data-free estimate).
 
-Outputs in ``run_dir``: results.csv, results.md, one PNG per metric (vs m, 95% bands), summary.json, and a Trainer
-run directory (checkpoint, TensorBoard, privacy report) per GPOPE run. ``config`` holds the typed configuration,
+Outputs in ``run_dir/curator`` (the tables hold non-private references computed on the private data): results.csv,
+results.md, one PNG per metric (vs m, 95% bands), the step-size sensitivity PNG, summary.json; and a Trainer run
+directory (release/ privacy report, curator/ checkpoint) per GPOPE run under ``run_dir/m<m>/``. ``config`` holds the typed configuration,
 ``runners`` one release of each method and the public tuning, ``report`` the tables and plots.
 """
 
@@ -36,6 +37,8 @@ from dporl.pipelines.ope.runners import (
     tune_lsl_lambda,
     tuning_runs,
 )
+from dporl.train.run_dir import RunDirectory, RunMode
+from dporl.utils.config import to_dict
 from dporl.utils.io import atomic_write_json
 from dporl.utils.validation import ValidationError
 
@@ -57,13 +60,15 @@ def reference_methods(problem) -> list[tuple[str, str]]:
     return [(f"{name} (non-private, {WEIGHTING_LABELS[w].split(' (')[0]})", w) for w in problem.weightings]
 
 
-def run(config: OPEConfig) -> dict[str, Any]:
+def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
     started = time.perf_counter()
     run_dir = Path(config.run_dir)
+    directory = RunDirectory(run_dir, pipeline="ope", config=to_dict(config), mode=mode)
     problem = build_problem(config)
+    directory.begin()  # each GPOPE release below is a Trainer run directory of its own under run_dir
     timings = {"problem setup": time.perf_counter() - started}
     gp = config.gpope
     finite = isinstance(problem, FiniteStateProblem)
@@ -112,7 +117,8 @@ def run(config: OPEConfig) -> dict[str, Any]:
         timings[f"m={m} trials"] = time.perf_counter() - clock
     progress.close()
     timings["total"] = time.perf_counter() - started
-    return write_results(config, run_dir, rows, tuned, problem.metric_labels, timings)
+    # The tables hold non-private references (LSTD on the private data): curator-only.
+    return write_results(config, directory.curator, rows, tuned, problem.metric_labels, timings)
 
 
 def evaluate(payload: dict[str, Any], episodes: int, seed: int, out_dir: Path) -> dict[str, Any]:

@@ -31,10 +31,10 @@ from dporl.algos.dp_lsw_lsl import dp_lsl, dp_lsw, first_visit_returns
 from dporl.algos.gpope import GPOPE, GPOPEConfig, paper_lemma1_epsilon
 from dporl.algos.lstd import lstd
 from dporl.pipelines.ope.config import OPEConfig
-from dporl.privacy.accountants import ADD_REMOVE, REPLACE_ONE, epsilon_for, within_budget
+from dporl.privacy.accountants import epsilon_for, within_budget
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
-from dporl.privacy.relations import calibrate_for_relation, epsilon_for_relation
+from dporl.privacy.relations import ADD_REMOVE, REPLACE_ONE, calibrate_for_relation, epsilon_for_relation
 from dporl.privacy.samplers import Batch, FixedSizeSource, PoissonUnitSource
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.train.trainer import Trainer
@@ -139,7 +139,7 @@ def run_gpope(
         source,
         config=TrainerConfig(
             max_steps=steps, seed=run_info.get("trial", 0), log_every=max(1, steps // 20), eval_every=steps,
-            checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False, resume=True,
+            checkpoint_every=steps, journal_every=max(50, steps // 20), progress=False,
             optimizer=OptimizerConfig(name="sgd", lr=hyper.step_size * plan.batch, schedule=settings.schedule,
                                       time_offset=settings.time_offset),
         ),
