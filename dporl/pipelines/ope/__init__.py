@@ -78,10 +78,16 @@ def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
     n_jobs = len(config.m_values) * (tuning_runs(config) + config.trials * len(gp.step_size_multipliers))
     progress = tqdm(total=n_jobs, desc=f"ope {config.experiment}", unit="run", disable=not config.progress,
                     dynamic_ncols=True)
+    def draw(m: int, key: int) -> dict:
+        clock = time.perf_counter()
+        data = padded_data(problem.sample(m, _generator(config.seed, m, key)))
+        timings[f"m={m} data"] = timings.get(f"m={m} data", 0.0) + time.perf_counter() - clock
+        return data
+
     for m in config.m_values:
         clock = time.perf_counter()
         # Hyper-parameters come from an independent public dataset of the same size (never the private one).
-        public = padded_data(problem.sample(m, _generator(config.seed, m, -1)))
+        public = draw(m, -1)
         hyper, scores = tune_gpope(config, problem, public, m, run_dir / f"m{m}" / "tuning", progress)
         lambda_scale = tune_lsl_lambda(config, problem, public, m) if "dp_lsl" in op_methods else 0.0
         plan = make_plan(config, m, hyper.epochs)
@@ -91,7 +97,7 @@ def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
         timings[f"m={m} tuning"] = time.perf_counter() - clock
         clock = time.perf_counter()
         for trial in range(config.trials):
-            data = padded_data(problem.sample(m, _generator(config.seed, m, trial)))
+            data = draw(m, trial)
             for name, weighting in reference_methods(problem):
                 theta = lstd(problem.features, data, config.gamma, target_policy=problem.target_policy,
                              weighting=weighting)

@@ -119,7 +119,8 @@ def write_results(
         + f", {v['epochs']:g} passes (batch {v['batch']:g}, {v['steps']} updates, sigma {v['noise_multiplier']:.4g})"
         + (f", DP-LSL lambda scale {v['lsl_lambda_scale']:g}" if v.get("lsl_lambda_scale") else "")
         for m, v in tuned.items())]
-    lines += ["", "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
+    lines += ["", "Wall time (m=... data: simulating and padding the public and the trials' datasets, included in the "
+              "tuning and trials times): " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())]
     atomic_write_text(run_dir / "results.md", "\n".join(lines) + "\n")
 
     for key in keys:
