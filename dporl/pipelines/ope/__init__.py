@@ -10,8 +10,8 @@ under every weighting the problem scores, and theta = 0 (the data-free estimate)
 
 Outputs in ``run_dir/curator`` (the tables hold non-private references computed on the private data): results.csv,
 results.md, one PNG per metric (vs m, 95% bands), the step-size sensitivity PNG, summary.json; and a Trainer run
-directory (release/ privacy report, curator/ checkpoint) per GPOPE run under ``run_dir/m<m>/``. ``config`` holds the typed configuration,
-``runners`` one release of each method and the public tuning, ``report`` the tables and plots.
+directory (release/ privacy report, curator/ checkpoint) per GPOPE run under ``run_dir/m<m>/``. ``config`` holds the
+typed configuration, ``runners`` one release of each method and the public tuning, ``report`` the tables and plots.
 """
 
 from __future__ import annotations
