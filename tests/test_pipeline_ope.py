@@ -298,3 +298,53 @@ def test_hiv_off_policy_pipeline_end_to_end(tmp_path):
                            config.gamma, weighting="transition")
     theta = torch.linspace(-1, 1, problem.features.n_features, dtype=torch.float64)
     assert float(mspbe(theta, scaled)) == pytest.approx(float(relative_mspbe(theta * scale, raw, scale)), rel=1e-6)
+
+
+def test_private_draws_are_named_streams_of_one_secret_root(tmp_path, monkeypatch):
+    # Every private draw (each GPOPE release's sampler and noise, each DP-LSW / DP-LSL noise) is a named stream of the
+    # invocation's SecretRoot: no two mechanisms share a stream (their SeedSequences differ in entropy or spawn key),
+    # no NoiseSource is seeded from an integer, and noise_seed alone moves the private estimates (public data and the
+    # non-private references stay put).
+    from dporl.privacy import noise as noise_module
+    from dporl.privacy.randomness import SecretRoot
+
+    handed_out, int_seeded = [], []
+    sequence, noise_init = SecretRoot.sequence, noise_module.NoiseSource.__init__
+
+    def recording_sequence(self, name):
+        seq = sequence(self, name)
+        handed_out.append((name, seq.entropy, seq.spawn_key))
+        return seq
+
+    def recording_init(self, seed=None, **kwargs):
+        if seed is not None:
+            int_seeded.append(seed)
+        noise_init(self, seed, **kwargs)
+
+    monkeypatch.setattr(SecretRoot, "sequence", recording_sequence)
+    monkeypatch.setattr(noise_module.NoiseSource, "__init__", recording_init)
+    multipliers = [1.0, 0.1]
+    config = tiny_config(tmp_path / "a", trials=2, gpope={"step_size_multipliers": multipliers})
+    first = {row["method"]: row for row in get_pipeline("ope").run(config)["table"]}
+    assert int_seeded == []
+    streams = [(entropy, key) for _, entropy, key in handed_out]
+    assert len(streams) == len(set(streams))  # never two mechanisms on one stream
+    names = {name for name, _, _ in handed_out}
+    for trial in range(2):
+        assert {f"gpope/m20/trial{trial}/x{x!r}" for x in multipliers} <= names  # a child root per release
+        assert {f"{method}/m20/trial{trial}/noise" for method in ("dp_lsw", "dp_lsl")} <= names
+    # Each child root hands out its Trainer's sampler and noise streams: one pair per GPOPE release (2 trials x 2
+    # multipliers; a one-point grid needs no tuning run).
+    for stream in ("train/sampler", "train/noise"):
+        assert sum(name == stream for name, _, _ in handed_out) == 2 * len(multipliers)
+
+    again = {row["method"]: row for row in get_pipeline("ope").run(
+        tiny_config(tmp_path / "b", trials=2, gpope={"step_size_multipliers": multipliers}))["table"]}
+    other = {row["method"]: row for row in get_pipeline("ope").run(
+        tiny_config(tmp_path / "c", trials=2, noise_seed=6, gpope={"step_size_multipliers": multipliers}))["table"]}
+    private = ("gpope (1x step)", "gpope (0.1x step)", "dp_lsw", "dp_lsl")
+    for name in private:
+        assert again[name]["mspbe_mean"] == first[name]["mspbe_mean"]  # a fixed noise_seed reproduces the run
+        assert other[name]["mspbe_mean"] != first[name]["mspbe_mean"]  # continuous noise: equal with probability 0
+    for name in ("lstd (non-private)", "theta = 0 (no data)"):
+        assert other[name]["mspbe_mean"] == first[name]["mspbe_mean"]

@@ -69,3 +69,18 @@ def test_stream_statistics_are_those_of_the_samplers():
     uniform = torch.rand(1_000_000, generator=generator, dtype=torch.float64)
     assert abs(float(normal.mean())) < 5e-3 and abs(float(normal.std()) - 1) < 5e-3
     assert abs(float(uniform.mean()) - 0.5) < 1.5e-3
+
+
+def test_child_roots_are_streams_of_their_parent():
+    # A child root (one Trainer run among many) is reproducible exactly when its parent is, children of different
+    # names draw different numbers, and a child's name is a stream of the parent: it is handed out once.
+    def draws(parent_seed, name):
+        return SecretRoot(parent_seed).child(name).torch_generator("train/noise").get_state()
+
+    assert torch.equal(draws(3, "gpope/a"), draws(3, "gpope/a"))
+    assert not torch.equal(draws(3, "gpope/a"), draws(3, "gpope/b"))
+    assert not torch.equal(draws(3, "gpope/a"), draws(4, "gpope/a"))
+    parent = SecretRoot(3)
+    assert parent.child("x").reproducible and not SecretRoot().child("x").reproducible
+    with pytest.raises(ValidationError, match="already handed out"):
+        parent.child("x")

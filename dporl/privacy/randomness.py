@@ -112,3 +112,10 @@ class SecretRoot:
         from dporl.privacy.noise import NoiseSource
 
         return NoiseSource(generator=self.torch_generator(name), reproducible=self.reproducible)
+
+    def child(self, name: str) -> "SecretRoot":
+        """The root of one sub-run (a Trainer run among many of one pipeline invocation, whose streams are named by
+        stage alone): 256 bits from stream ``name`` of this root, reproducible exactly when this root is."""
+        child = SecretRoot(self.integer(name, bits=ROOT_BITS))
+        child.reproducible = self.reproducible
+        return child

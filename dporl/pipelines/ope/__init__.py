@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -37,6 +37,7 @@ from dporl.pipelines.ope.runners import (
     tune_lsl_lambda,
     tuning_runs,
 )
+from dporl.privacy.randomness import SecretRoot
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
 from dporl.utils.io import atomic_write_json
@@ -46,10 +47,6 @@ from dporl.utils.validation import ValidationError
 def _generator(*keys: int) -> torch.Generator:
     """Public randomness (problem data): an ordinary seeded generator."""
     return torch.Generator().manual_seed(hash(tuple(keys)) % 2**62)
-
-
-def _noise_seed(config: OPEConfig, *keys: int) -> Optional[int]:
-    return None if config.noise_seed is None else hash((config.noise_seed, *keys)) % 2**62
 
 
 def reference_methods(problem) -> list[tuple[str, str]]:
@@ -68,6 +65,9 @@ def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
     run_dir = Path(config.run_dir)
     directory = RunDirectory(run_dir, pipeline="ope", config=to_dict(config), mode=mode)
     problem = build_problem(config)
+    # One secret root per invocation (noise_seed, else 256 bits of the OS CSPRNG): every private draw is a named
+    # stream of it (a child root per GPOPE release, one noise stream per output perturbation).
+    root = SecretRoot(config.noise_seed)
     directory.begin()  # each GPOPE release below is a Trainer run directory of its own under run_dir
     timings = {"problem setup": time.perf_counter() - started}
     gp = config.gpope
@@ -107,18 +107,19 @@ def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
             zero = problem.metrics(torch.zeros(problem.features.n_features, dtype=torch.float64))
             rows.append({"method": "theta = 0 (no data)", "m": m, "trial": trial, **zero, "epsilon": 0.0,
                          "epsilon_replace_one": 0.0, "epsilon_add_remove": 0.0})
-            for k, multiplier in enumerate(gp.step_size_multipliers):
+            for multiplier in gp.step_size_multipliers:
                 scaled = GPOPEHyper(hyper.step_size * multiplier, hyper.clip_norm, hyper.epochs, hyper.clip_quantile)
                 result = run_gpope(
                     config, problem, data, scaled, run_dir / f"m{m}" / f"trial{trial}" / f"gpope_x{multiplier:g}",
-                    _noise_seed(config, m, trial, k), {"m": m, "trial": trial, "multiplier": multiplier},
+                    root.child(f"gpope/m{m}/trial{trial}/x{multiplier!r}"),
+                    {"m": m, "trial": trial, "multiplier": multiplier},
                 )
                 rows.append({"method": f"gpope ({multiplier:g}x step)", "m": m, "trial": trial, **result})
                 tuned[m].setdefault("noise_multiplier", result["noise_multiplier"])
                 progress.update(1)
-            for j, method in enumerate(op_methods):
+            for method in op_methods:
                 result = run_output_perturbation(method, config, problem, data, lambda_scale,
-                                                 _noise_seed(config, m, trial, 100 + j))
+                                                 root.noise(f"{method}/m{m}/trial{trial}/noise"))
                 rows.append({"method": method, "m": m, "trial": trial, **result})
         timings[f"m={m} trials"] = time.perf_counter() - clock
     progress.close()

@@ -101,8 +101,8 @@ class OPEConfig:
     gamma: float = 0.99
     epsilon: float = 0.1
     delta: float = 1e-5
-    # None: a secret seed per release (real use). A fixed seed makes the run reproducible but voids the guarantee
-    # for anyone who knows it.
+    # The invocation's SecretRoot: None draws 256 bits from the OS CSPRNG (real use). A fixed seed makes the run
+    # reproducible but voids the guarantee for anyone who knows it.
     noise_seed: Optional[int] = None
     progress: bool = True
     chain: ChainSettings = field(default_factory=ChainSettings)

@@ -15,6 +15,10 @@ norms that leave part of the gradients unclipped (a fixed h below every norm mak
 
 DP-LSW / DP-LSL (Balle et al. 2016) are one smooth-sensitivity Gaussian release each (replace-one), DP-LSL's
 lambda = scale * sqrt(m) tuned on the same public data.
+
+Randomness: every private draw (GPOPE's sampler and noise, DP-LSW / DP-LSL's noise) comes from a named stream of the
+invocation's ``SecretRoot``: each GPOPE release gets a child root (its Trainer names its streams by stage), each
+output perturbation one ``root.noise`` stream. Tuning runs on public data draw from public seeds (``config.seed``).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from dporl.pipelines.ope.config import OPEConfig
 from dporl.privacy.accountants import epsilon_for, within_budget
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
+from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.relations import ADD_REMOVE, REPLACE_ONE, calibrate_for_relation, epsilon_for_relation
 from dporl.privacy.samplers import Batch, FixedSizeSource, PoissonUnitSource
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.train.trainer import Trainer
 from dporl.utils.config import to_dict
+from dporl.utils.seeding import public_generator
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 RELATIONS = {"replace_one": REPLACE_ONE, "add_remove": ADD_REMOVE}
@@ -111,10 +117,10 @@ def _average_from(config: OPEConfig, steps: int) -> Optional[int]:
 
 
 def run_gpope(
-    config: OPEConfig, problem, data: dict, hyper: GPOPEHyper, run_dir: Path, noise_seed: Optional[int],
-    run_info: dict,
+    config: OPEConfig, problem, data: dict, hyper: GPOPEHyper, run_dir: Path, root: SecretRoot, run_info: dict,
 ) -> dict[str, Any]:
-    """One private GPOPE release through the Trainer; its metrics and its epsilon under both relations."""
+    """One private GPOPE release through the Trainer; its metrics and its epsilon under both relations. ``root`` is
+    this release's own root (its sampler and noise are the streams "train/sampler" and "train/noise" of it)."""
     settings = config.gpope
     m = int(data["mask"].shape[0])
     plan = make_plan(config, m, hyper.epochs)
@@ -145,9 +151,10 @@ def run_gpope(
         ),
         dp=DPConfig(
             epsilon=budget, delta=config.delta, noise_multiplier=sigma, max_grad_norm=hyper.clip_norm,
-            accountant=settings.accountant, clipping="naive", noise_seed=noise_seed,
+            accountant=settings.accountant, clipping="naive",
         ),
         ledger=ledger,
+        secret_root=root,
         run_dir=run_dir,
         pipeline="ope",
         pipeline_config={"ope": to_dict(config), **run_info, "step_size": hyper.step_size,
@@ -205,10 +212,11 @@ def tune_gpope(
     if len(grid) == 1:
         return grid[0], []
     scores = {}
+    # Public data: its noise needs no secret; a root from the public seed keeps tuning reproducible.
+    public_root = SecretRoot(config.seed)
     for k, hyper in enumerate(grid):
-        # Public data: its noise needs no secret (a fixed seed per grid point keeps tuning reproducible).
-        result = run_gpope(config, problem, public, hyper, run_dir / f"run{k}", hash((config.seed, m, k)) % 2**62,
-                           {"m": m, "trial": -1})
+        result = run_gpope(config, problem, public, hyper, run_dir / f"run{k}",
+                           public_root.child(f"tuning/m{m}/run{k}"), {"m": m, "trial": -1})
         scores[hyper] = result["mspbe"]
         if progress is not None:
             progress.update(1)
@@ -229,13 +237,13 @@ def tuning_runs(config: OPEConfig) -> int:
 
 
 def run_output_perturbation(
-    method: str, config: OPEConfig, problem, data: dict, lambda_scale: float, noise_seed: Optional[int]
+    method: str, config: OPEConfig, problem, data: dict, lambda_scale: float, noise: NoiseSource
 ) -> dict[str, Any]:
-    """One DP-LSW or DP-LSL release (smooth sensitivity, replace-one), recorded in its own ledger stage."""
+    """One DP-LSW or DP-LSL release (smooth sensitivity, replace-one) with ``noise`` (a secret stream for private
+    data), recorded in its own ledger stage."""
     settings = config.output_perturbation
     bound = settings.return_bound if settings.return_bound is not None else problem.reward_max / (1 - config.gamma)
     visits = first_visit_returns(data, problem.n_states, config.gamma, bound)
-    noise = NoiseSource(noise_seed)
     if method == "dp_lsw":
         release = dp_lsw(visits, problem.feature_matrix, epsilon=config.epsilon, delta=config.delta,
                          return_bound=bound, noise=noise, weights=problem.lsw_weights)
@@ -261,7 +269,9 @@ def tune_lsl_lambda(config: OPEConfig, problem, public: dict, m: int) -> float:
     scores = {}
     for scale in settings.lsl_lambda_grid:
         if scale * math.sqrt(m) > floor:
-            scores[scale] = run_output_perturbation("dp_lsl", config, problem, public, scale, None)["mspbe"]
+            noise = NoiseSource(generator=public_generator(config.seed, f"tuning/dp_lsl/m{m}/scale{scale!r}"),
+                                reproducible=True)  # public data: public noise
+            scores[scale] = run_output_perturbation("dp_lsl", config, problem, public, scale, noise)["mspbe"]
     if not scores:
         raise ValidationError(
             "output_perturbation.lsl_lambda_grid", f"no lambda exceeds ||Phi||^2 = {floor:g} at m={m}"
