@@ -9,31 +9,37 @@ import torch
 
 
 @dataclass
-class EpsilonGreedyPolicy:
-    """pi(a|s) = eps / n_A + (1 - eps) [a = argmax_a Q(s, a)] for a linear Q (weights [n_A, n])."""
+class _LinearQPolicy:
+    """A policy of a linear Q: Q(s, .) = features(s) @ q_weights.T (weights [n_A, n])."""
 
     features: Any
     q_weights: torch.Tensor
+
+    def q_values(self, observations: torch.Tensor) -> torch.Tensor:
+        return self.features(observations).double() @ self.q_weights.T
+
+
+@dataclass
+class EpsilonGreedyPolicy(_LinearQPolicy):
+    """pi(a|s) = eps / n_A + (1 - eps) [a = argmax_a Q(s, a)]."""
+
     epsilon: float
 
     def __call__(self, observations: torch.Tensor) -> torch.Tensor:
-        q = self.features(observations).double() @ self.q_weights.T
+        q = self.q_values(observations)
         n_actions = q.shape[-1]
         greedy = torch.nn.functional.one_hot(q.argmax(-1), n_actions).double()
         return self.epsilon / n_actions + (1 - self.epsilon) * greedy
 
 
 @dataclass
-class SoftmaxPolicy:
-    """pi(a|s) = softmax(Q(s, .) / temperature) for a linear Q (weights [n_A, n])."""
+class SoftmaxPolicy(_LinearQPolicy):
+    """pi(a|s) = softmax(Q(s, .) / temperature)."""
 
-    features: Any
-    q_weights: torch.Tensor
     temperature: float
 
     def __call__(self, observations: torch.Tensor) -> torch.Tensor:
-        q = self.features(observations).double() @ self.q_weights.T
-        return torch.softmax(q / self.temperature, dim=-1)
+        return torch.softmax(self.q_values(observations) / self.temperature, dim=-1)
 
 
 def uniform_policy(n_actions: int):
