@@ -10,7 +10,8 @@ the public target policy before training and travels with the rows (key ``next_p
 code. After a terminal step the next state is a placeholder (``dporl.data.dataset``): ``1 - done`` masks it.
 
 The policy's value at a state is ``sum_a pi(a | s) Q(s, a)`` (``state_values``), in reward units after
-multiplying by ``reward_scale``. An empty ``hidden_sizes`` gives a linear Q (tabular on one-hot observations).
+multiplying by ``reward_scale``; with ``average_last`` the evaluated Q is the running mean of the last iterates
+(Polyak & Juditsky 1992), post-processing of the released iterates. An empty ``hidden_sizes`` gives a linear Q (tabular on one-hot observations).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class FQEConfig:
     target_update_every: int = 100  # hard copy every this many steps, unless tau is set
     tau: Optional[float] = None
     reward_scale: float = 1.0  # public constant dividing rewards (Q is learnt in these units)
+    # Polyak-Ruppert averaging: the evaluated Q is the mean of the online network over the last this fraction of
+    # the steps (0: the last iterate). Averaging released iterates is post-processing; it cancels much of the
+    # DP-SGD noise that a single noisy iterate carries.
+    average_last: float = 0.0
 
     def __post_init__(self) -> None:
         check_probability("fqe.gamma", self.gamma)
@@ -48,6 +53,7 @@ class FQEConfig:
         if self.tau is not None:
             check_probability("fqe.tau", self.tau, allow_zero=False)
         check_positive("fqe.reward_scale", self.reward_scale)
+        check_probability("fqe.average_last", self.average_last, allow_one=False)
 
 
 class DiscreteFQE(nn.Module):
@@ -63,6 +69,19 @@ class DiscreteFQE(nn.Module):
         self.q_network = mlp(obs_dim, list(config.hidden_sizes), n_actions)
         self.target_network = copy.deepcopy(self.q_network)
         self.target_network.requires_grad_(False)
+        # The running mean of the online network's iterates from step ``average_from`` on (see FQEConfig).
+        self.averaged_network = copy.deepcopy(self.q_network)
+        self.averaged_network.requires_grad_(False)
+        self.register_buffer("averaged_count", torch.zeros((), dtype=torch.long))
+        self.average_from: Optional[int] = None
+
+    def plan_averaging(self, total_steps: int) -> None:
+        """Average the iterates of the last ``config.average_last`` fraction of ``total_steps`` steps."""
+        if self.config.average_last > 0:
+            self.average_from = int(total_steps * (1 - self.config.average_last))
+
+    def _evaluated(self) -> nn.Module:
+        return self.averaged_network if int(self.averaged_count) > 0 else self.q_network
 
     def row_losses(self, batch) -> torch.Tensor:
         data = batch.data
@@ -78,12 +97,18 @@ class DiscreteFQE(nn.Module):
     @torch.no_grad()
     def state_values(self, obs: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
         """V^pi(s) = sum_a pi(a|s) Q(s, a), in reward units, for observations [B, d] and probabilities [B, A]."""
-        return (self.q_network(obs) * pi).sum(dim=1) * self.config.reward_scale
+        return (self._evaluated()(obs) * pi).sum(dim=1) * self.config.reward_scale
 
     @torch.no_grad()
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
-        """Q(s, .) in reward units [B, A]."""
-        return self.q_network(obs) * self.config.reward_scale
+        """Q(s, .) in reward units [B, A] (the averaged iterate when averaging ran)."""
+        return self._evaluated()(obs) * self.config.reward_scale
 
+    @torch.no_grad()
     def on_step_end(self, step: int) -> None:
         update_target(self.target_network, self.q_network, step, self.config.tau, self.config.target_update_every)
+        if self.average_from is not None and step > self.average_from:
+            self.averaged_count += 1
+            weight = 1.0 / float(self.averaged_count)
+            for mean, online in zip(self.averaged_network.parameters(), self.q_network.parameters()):
+                mean.lerp_(online, weight)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -120,12 +120,48 @@ class TreatmentChain:
         )
 
 
+def treatment_chain_frame(
+    units: int, episodes_per_unit: int, behaviour_range: tuple[float, float] = (0.2, 0.8), seed: int = 0,
+    chain: Optional[TreatmentChain] = None,
+):
+    """A logged treatment-chain table (pandas, one row per decision), clinicians ``c<i>`` as units: columns
+    episode, clinician, step, obs_0..obs_{S-1} (one-hot state), action (1 = treat), reward, terminated, truncated,
+    next_obs_0.., propensity (the clinician's probability of the logged action). Every policy's value is exact
+    (``TreatmentChain.true_value``). Public randomness (``seed``): an example standing in for private data."""
+    from dporl.data.table import to_frame
+
+    chain = chain or TreatmentChain()
+    logged = chain.simulate(units, episodes_per_unit, behaviour_range, np.random.default_rng(seed))
+    frame = to_frame(logged, next_observations=True, unit="clinician")
+    frame["propensity"] = np.exp(frame.pop("log_propensity").astype(np.float64))
+    return frame
+
+
+def state_policy_probabilities(policy, n_states: int) -> np.ndarray:
+    """Each state's treat probability under ``policy`` (a dporl policy or a callable, evaluated on the one-hot
+    states): what ``TreatmentChain.true_value`` takes."""
+    from dporl.eval.private_ope import action_probabilities
+
+    return action_probabilities(policy, torch.eye(n_states), 2)[:, 1].numpy()
+
+
 def constant_policy(treat_probability: float):
     """obs [B, S] -> [[1 - p, p]] * B: the target policy (public)."""
 
     def policy(obs: torch.Tensor) -> torch.Tensor:
         probs = torch.tensor([1 - treat_probability, treat_probability], dtype=torch.float64)
         return probs.expand(obs.shape[0], 2)
+
+    return policy
+
+
+def state_policy(treat_probabilities) -> Any:
+    """obs [B, S] (one-hot) -> the per-state treat probabilities as [[1 - p, p]] (public)."""
+    treat = torch.as_tensor(np.asarray(treat_probabilities, dtype=np.float64))
+
+    def policy(obs: torch.Tensor) -> torch.Tensor:
+        p = treat[obs.argmax(1)]
+        return torch.stack([1 - p, p], 1)
 
     return policy
 
@@ -149,11 +185,16 @@ def run(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     chain = TreatmentChain()
-    truth = chain.true_value(args.target)
-    policy = constant_policy(args.target)
+    if args.greedy is not None:  # a deterministic target: treat in the listed states, wait elsewhere
+        treat = np.zeros(chain.n_states)
+        treat[list(args.greedy)] = 1.0
+        truth, policy = chain.true_value(treat), state_policy(treat)
+    else:
+        truth, policy = chain.true_value(args.target), constant_policy(args.target)
     training = FQETraining(steps=args.fqe_steps, sample_rate=args.sample_rate, rows_per_unit=8,
-                           max_grad_norm=1.0, optimizer=args.optimizer, lr=args.lr,
-                           fqe=FQEConfig(hidden_sizes=[], gamma=chain.gamma, td_loss="mse", target_update_every=25))
+                           max_grad_norm=1.0, optimizer=args.optimizer, lr=args.lr, train_fraction=args.train_fraction,
+                           fqe=FQEConfig(hidden_sizes=[], gamma=chain.gamma, td_loss="mse", target_update_every=25,
+                                         average_last=args.average_last))
     value_range = (-chain.treat_cost / (1 - chain.gamma), 1.0)  # public bounds on any policy's value here
     results: dict[str, dict] = {}
     rows: dict[str, list] = {name: [] for name in args.estimators}
@@ -235,12 +276,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--unit-clip", type=float, default=12.0)
     parser.add_argument("--epsilon", type=float, default=1.0)
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--target", type=float, default=0.8, help="treat probability of the target in every state")
+    parser.add_argument("--greedy", type=int, nargs="*", default=None,
+                        help="a deterministic target instead: treat in these states, wait elsewhere (e.g. 3 4)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--fqe-steps", type=int, default=300)
     parser.add_argument("--sample-rate", type=float, default=0.05)
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--average-last", type=float, default=0.0, help="FQE: average the last fraction of iterates")
+    parser.add_argument("--train-fraction", type=float, default=0.8, help="FQE: share of a fold's epsilon for training")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/ope_coverage")
     summary = run(parser.parse_args(argv))
