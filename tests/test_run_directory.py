@@ -190,7 +190,8 @@ def test_curator_diagnostics_stay_in_curator_and_are_off_by_default(tmp_path):
     _trainer(tmp_path / "off", LogisticRegression(), cap=10).fit()
     assert not (tmp_path / "off" / "curator" / "tensorboard").exists()
     public = tags(tmp_path / "off" / "release" / "tensorboard")
-    assert public == {"train/lr", "privacy/epsilon"}  # "fit" is not a public evaluator: curator-only
+    # "fit" is not a public evaluator: curator-only. The privacy scalars: the run's guarantee and each stage's.
+    assert public == {"train/lr", "privacy/epsilon", "privacy/stage/train"}
     _trainer(tmp_path / "on", LogisticRegression(), cap=10, curator_diagnostics=True).fit()
     assert tags(tmp_path / "on" / "release" / "tensorboard") == public
     curator = tags(tmp_path / "on" / "curator" / "tensorboard")

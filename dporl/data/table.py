@@ -240,13 +240,15 @@ def read_table(
     n_actions: Optional[int] = None,
     env_id: Optional[str] = None,
     extra: Optional[Mapping[str, Any]] = None,
+    progress: bool = True,
 ) -> TrajectoryDataset:
     """A validated ``TrajectoryDataset`` from a table with one row per decision (see the module docstring).
 
     ``observations`` / ``next_observations``: a list of numeric columns, or a string naming one column or else a
     prefix of columns (in table order). ``propensity``: the behaviour policy's probability of the logged action
     (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``n_actions``: declare it (public);
-    by default the largest logged action + 1. ``env_id``: the simulator's id if one exists.
+    by default the largest logged action + 1. ``env_id``: the simulator's id if one exists. ``progress``: a bar over
+    the import's phases for large tables (over ``PROGRESS_BYTES`` on disk or ``PROGRESS_ROWS`` rows).
     """
     if propensity_kind not in ("prob", "log_prob"):
         raise ValidationError("propensity_kind", f"expected 'prob' or 'log_prob', got {propensity_kind!r}")
@@ -254,6 +256,7 @@ def read_table(
         if not isinstance(value, str) or not value:
             raise ValidationError(name, f"name the column, got {value!r}")
     table = _Table(source)
+    phases = _phases(table, progress)
     obs_names = _resolve(table, observations, "observations")
     next_names = None if next_observations is None else _resolve(table, next_observations, "next_observations")
     if next_names is not None and len(next_names) != len(obs_names):
@@ -262,6 +265,7 @@ def read_table(
         )
     optional = [c for c in (step, terminated, truncated, propensity) if c is not None]
     table.load([episode, unit, action, reward, *obs_names, *(next_names or []), *optional])
+    phases.next("episodes")
     n_rows = len(table[episode])
     if n_rows == 0:
         raise ValidationError("source", "the table has no rows")
@@ -307,6 +311,7 @@ def read_table(
             )
 
     # Units: one per episode, constant over the episode's rows.
+    phases.next("units")
     unit_values = column(unit)
     unit_of_episode = unit_values[starts]
     row = _first_row(lambda a, b: (unit_values[a + 1 : b + 1] != unit_values[a:b]) & inside[a:b], n_rows - 1)
@@ -347,6 +352,7 @@ def read_table(
             )
 
     # Observations and next states.
+    phases.next("observations")
     obs_columns = [_numeric(name, column(name)) for name in obs_names]
     final_next = None
     if next_names is not None:
@@ -420,6 +426,7 @@ def read_table(
         obs[extra_index] = np.where(ends_terminated[full, None], 0.0, final_next[full])
     # else: zeros already (terminal placeholders)
 
+    phases.close()
     term_out = np.zeros(int(transition_lengths.sum()), dtype=bool)
     trunc_out = np.zeros_like(term_out)
     new_lasts = np.cumsum(transition_lengths) - 1
@@ -478,6 +485,42 @@ def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, uni
     if t.behavior_log_probs is not None:
         frame["log_propensity"] = t.behavior_log_probs
     return pd.DataFrame(frame)
+
+
+PROGRESS_BYTES = 64 << 20  # tables at least this large on disk show the import's phases
+PROGRESS_ROWS = 1 << 21  # DataFrames with at least this many rows do
+
+
+class _Phases:
+    """A progress bar over the import's phases (reading, episodes, units, observations); silent when disabled."""
+
+    NAMES = ("read", "episodes", "units", "observations")
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=len(self.NAMES), desc="import table: read", unit="phase", dynamic_ncols=True)
+
+    def next(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_description(f"import table: {name}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.close()
+            self.bar = None
+
+
+def _phases(table: _Table, progress: bool) -> _Phases:
+    if not progress:
+        return _Phases(False)
+    if table.kind == "frame":
+        return _Phases(len(table.source) >= PROGRESS_ROWS)
+    return _Phases(table.path.stat().st_size >= PROGRESS_BYTES)
 
 
 _BLOCK = 1 << 18  # rows per block of the blockwise passes: temporaries stay small and are reused, not page-faulted

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,12 +55,16 @@ def confidence_interval(values: Sequence[float], confidence: float = 0.95) -> Re
     return ReturnStats(mean, std, stderr, mean - half, mean + half, confidence, int(values.size), values.tolist())
 
 
-def evaluate_returns(policy: Policy, vector_env, episodes: int, seed: int, confidence: float = 0.95) -> ReturnStats:
+def evaluate_returns(
+    policy: Policy, vector_env, episodes: int, seed: int, confidence: float = 0.95, progress: bool = False
+) -> ReturnStats:
     """Run exactly ``ceil(episodes / num_envs)`` episodes in every sub-env and keep the first ``episodes``.
 
     A fixed quota per sub-env, rather than "the first N episodes to finish", avoids biasing the mean towards
-    short episodes.
+    short episodes. ``progress``: a bar over finished episodes.
     """
+    from tqdm.auto import tqdm
+
     if episodes < 1:
         raise ValidationError("episodes", f"must be >= 1, got {episodes}")
     n_envs = vector_env.num_envs
@@ -69,6 +74,8 @@ def evaluate_returns(policy: Policy, vector_env, episodes: int, seed: int, confi
     running = np.zeros(n_envs)
     finished: list[list[float]] = [[] for _ in range(n_envs)]
     resetting = np.zeros(n_envs, dtype=bool)
+    bar = tqdm(total=quota * n_envs, desc="evaluate", unit="episode", disable=not progress, dynamic_ncols=True,
+               leave=False)
     while min(len(f) for f in finished) < quota:
         with torch.no_grad():
             actions = policy(torch.as_tensor(np.asarray(obs), dtype=torch.float32))
@@ -79,8 +86,56 @@ def evaluate_returns(policy: Policy, vector_env, episodes: int, seed: int, confi
         for i in np.flatnonzero(done):
             if len(finished[i]) < quota:
                 finished[i].append(float(running[i]))
+                bar.update(1)
             running[i] = 0.0
         # In next-step mode the step after an episode's end only resets that sub-env.
         resetting = done if next_step_reset else np.zeros(n_envs, dtype=bool)
+    bar.close()
     returns = [r for per_env in zip(*finished) for r in per_env][:episodes]
     return confidence_interval(returns, confidence)
+
+
+def evaluate_released_policy(
+    policy_dir: str | Path, *, episodes: int, seed: int, env_id: Optional[str] = None, num_envs: int = 10,
+    max_episode_steps: Optional[int] = None, out: Optional[str | Path] = None, progress: bool = True,
+) -> dict:
+    """Returns of a released policy (``RUN/release/policy``, read alone, weights-only) in its public simulator.
+
+    Writes the returns to ``<policy>/../evaluations/eval_seed<S>_episodes<N>.json`` (or ``out``). Public-simulator
+    returns of a released policy are post-processing: they cost no privacy.
+    """
+    import gymnasium as gym
+
+    import dporl.envs  # noqa: F401  (registers dporl/* environments)
+    from dporl.train.export import load_policy
+    from dporl.utils.io import atomic_write_json
+
+    if episodes < 1:
+        raise ValidationError("episodes", f"must be >= 1, got {episodes}")
+    policy = load_policy(policy_dir)
+    env_id = env_id or policy.spec.get("env_id")
+    if not env_id:
+        raise ValidationError("env", "the policy names no environment (trained without a simulator); pass --env")
+    max_episode_steps = max_episode_steps or (policy.spec.get("extra") or {}).get("max_episode_steps")
+    kwargs = {} if max_episode_steps is None else {"max_episode_steps": int(max_episode_steps)}
+    try:
+        env = gym.make_vec(env_id, num_envs=min(num_envs, episodes), vectorization_mode="sync", **kwargs)
+    except (gym.error.Error, ModuleNotFoundError, ImportError) as exc:
+        raise ValidationError("env", f"cannot make environment {env_id!r}: {exc}") from None
+    try:
+        observation_dim = int(env.single_observation_space.shape[0])
+        if observation_dim != policy.obs_dim or int(env.single_action_space.n) != policy.n_actions:
+            raise ValidationError("env", f"{env_id} has {observation_dim}-dim observations and "
+                                  f"{env.single_action_space.n} actions; the policy expects {policy.obs_dim} and "
+                                  f"{policy.n_actions}")
+        stats = evaluate_returns(policy.act, env, episodes, seed, progress=progress)
+    finally:
+        env.close()
+    privacy = policy.spec.get("privacy") or {}
+    metrics = {**stats.to_dict(), "env_id": env_id, "seed": seed, "privacy": privacy}
+    out = Path(out) if out is not None else Path(policy_dir).resolve().parent / "evaluations"
+    atomic_write_json(out / f"eval_seed{seed}_episodes{episodes}.json", {**metrics, "returns": stats.returns})
+    metrics["headline"] = {f"return ({stats.n} episodes, {100 * stats.confidence:g}% interval)":
+                           f"{stats.mean:.4g} [{stats.ci_low:.4g}, {stats.ci_high:.4g}]"}
+    return metrics
+

@@ -240,6 +240,16 @@ class PrivacyReport:
         lines.extend(claim.describe() for claim in self.paper_claims)
         return "\n".join(lines)
 
+    def scalars(self) -> dict[str, float]:
+        """What a run logs as its privacy scalars: ``privacy/epsilon`` is the run's guarantee over ALL stages (the
+        largest cell's under parallel composition; absent when there is none), ``privacy/stage/<name>`` each
+        stage's own epsilon beside it."""
+        values = {f"privacy/stage/{s.name}": float(s.epsilon) for s in self.stages}
+        guarantee = self.guarantee
+        if guarantee is not None:
+            values["privacy/epsilon"] = float(guarantee[0])
+        return values
+
     def to_dict(self) -> dict[str, Any]:
         guarantee = self.guarantee
         return {

@@ -308,7 +308,7 @@ class Trainer:
         curator.text("config", f"```\n{self.pipeline_config}\n```")
         if event is not None:
             public.text("privacy/plan", f"per-step event: {event_to_dict(event)}; steps allowed: {total_budget_steps}")
-        progress = _progress(total_budget_steps, budget_steps, config.progress)
+        progress = _progress(total_budget_steps, budget_steps, config.progress, self.stage)
         last_log = time.perf_counter()
         try:
             while budget_steps < total_budget_steps:
@@ -336,8 +336,8 @@ class Trainer:
                     curator.scalars({**timing, **{CURATOR_PREFIX + k: v for k, v in diagnostics.items()}}, step)
                 if step % config.eval_every == 0 or budget_steps == total_budget_steps:
                     metrics = self._evaluate()
-                    if self.dp is not None:
-                        metrics["privacy/epsilon"] = self.ledger.spent(self.stage)
+                    if self.dp is not None:  # the run's guarantee (every stage) and each stage's epsilon
+                        metrics.update(self.ledger.report().scalars())
                     eval_history.append((step, metrics))
                     public.scalars(self._public(metrics), step)
                     curator.scalars(metrics, step)
@@ -382,7 +382,7 @@ class Trainer:
     def _public(self, metrics: Mapping[str, float]) -> dict[str, float]:
         """The metrics a run may publish: public evaluators' and the privacy spent."""
         return {k: v for k, v in metrics.items()
-                if k == "privacy/epsilon" or k.split("/", 1)[0] in self.public_evaluators}
+                if k.split("/", 1)[0] in ("privacy", *self.public_evaluators)}
 
     def _streams(self) -> tuple[torch.Generator, Any]:
         """(sampler generator, noise source): secret streams of the run's root for a private run."""
@@ -532,7 +532,7 @@ def _check_same_unit(algorithm: nn.Module, source: Any) -> None:
         )
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int, initial: int, enabled: bool, desc: str = "train"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)
