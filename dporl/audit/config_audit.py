@@ -36,8 +36,14 @@ def _logged_data(config):
     from dporl.data.dataset import TrajectoryDataset
     from dporl.experts.expert_set import ExpertSet
 
-    if config.data.dataset is not None:
-        dataset_path, expert_path = Path(config.data.dataset), config.data.expert_set
+    if config.data.imported:  # a table or Minari dataset: read it as the pipeline does (no expert set)
+        from dporl.pipelines.inputs import import_dataset
+
+        if config.data.format == "memory":
+            raise ValidationError("data.format", "a dataset handed over in Python has no file to audit")
+        return import_dataset(config.data, progress=False)[0], None
+    if config.data.npz_path is not None:
+        dataset_path, expert_path = Path(config.data.npz_path), config.data.expert_set
     else:
         # Generated data live in RUN/curator/data unless the config names an out_dir (the expert_cql pipeline).
         out_dir = Path(config.data.generate.get("out_dir") or Path(config.run_dir) / "curator" / "data")
@@ -54,14 +60,17 @@ def expert_cql_audits(
     data: Mapping[str, Any], *, n_experts: Optional[int] = None, p_min: Optional[float] = None, target: int = 0
 ) -> list[Experiment]:
     from dporl.audit.stable_prefix_audit import neighbours_of, stable_prefix_audit
-    from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig
+    from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig, training_plan
 
     config = from_dict(ExpertCQLConfig, data)
     budgets = config.stage_budgets()
     if not budgets:
         raise ValidationError("method", "a non_private run makes no privacy claim to audit")
     dataset, experts = _logged_data(config)
-    m = n_experts if n_experts is not None else (dataset.metadata.n_experts if dataset is not None else None)
+    train_data = dataset
+    if dataset is not None:  # the budgets and training cell the run would use (units held out for evaluation)
+        budgets, train_data = training_plan(config, dataset)
+    m = n_experts if n_experts is not None else (train_data.metadata.n_experts if train_data is not None else None)
     p_min = p_min if p_min is not None else (dataset.metadata.p_min if dataset is not None else None)
     if m is None:
         raise ValidationError("n_experts", "the config's data are not on disk (generated data: run train.py first): "

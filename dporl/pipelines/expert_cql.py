@@ -25,7 +25,18 @@ a paper claim, not a guarantee). Training runs for as many steps as the budget a
 caps it; ``dp.noise_multiplier: null`` calibrates sigma for that cap). The guarantee printed at the end is the ledger's (the smaller of basic composition and one joint PLD over
 both stages).
 
-Evaluation (returns of the greedy Q-policy in the public environment) is post-processing and costs nothing.
+Data (``data``, ``dporl.pipelines.inputs``): a saved or generated expert dataset (``format: npz``), a CSV / Parquet
+table with its column mapping (``format: table``), or a Minari dataset (``format: minari``). The privacy unit is the
+data's: the logging expert, or the column the user named (``dp_sgd`` is then unit-level DP-SGD over that column's
+values). ``stable_only`` and ``mixed`` need the queryable experts and a simulator, and refuse data grouped by any
+other unit.
+
+Evaluation. With a simulator (the dataset's env id, or ``eval.env_id``, is a registered Gymnasium environment):
+returns of the greedy Q-policy in the public environment, post-processing that costs nothing. Without one (or with
+``eval.enabled: false``) the run says so and evaluates privately on logged data instead
+(``dporl.pipelines.offline_eval``): by default ONE keyed-hash partition of the units holds some out, training runs
+on the rest and the learned policy's value is released by DP importance sampling (or DP-FQE without propensities)
+on the held-out units, in the same ledger, composed in parallel.
 
 Run directory (``dporl.train.run_dir``): ``RUN/release/`` receives what the guarantee covers (the greedy policy in
 ``policy/``, D_stable, the release's public parameters, the privacy report, the public summary and public
@@ -40,7 +51,7 @@ diagnostics: which expert each run followed, the full summary, generated data by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -53,6 +64,9 @@ from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import Pipeline, get_pipeline, register
+from dporl.pipelines.inputs import DataConfig, import_dataset, save_imported
+from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
+from dporl.pipelines.offline_eval import stage_names as evaluation_stages
 from dporl.privacy.accountants import paper_mixture_epsilon
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
@@ -69,21 +83,6 @@ from dporl.utils.seeding import seeded
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 TRAIN_STAGE = "train"
-
-
-@dataclass
-class DataConfig:
-    """Either a saved dataset (+ the expert set that logged it) or a "dataset" pipeline config to run first."""
-
-    dataset: Optional[str] = None  # TrajectoryDataset .npz
-    expert_set: Optional[str] = None  # ExpertSet file; default: the path recorded in the dataset's metadata
-    # A "dataset" pipeline config (pipeline key optional). Its out_dir defaults to RUN/curator/data; an out_dir
-    # that already holds the same generation is reused, one holding another generation is refused (never rewritten).
-    generate: Optional[dict[str, Any]] = None
-
-    def __post_init__(self) -> None:
-        if (self.dataset is None) == (self.generate is None):
-            raise ValidationError("data", "give exactly one of data.dataset (a saved dataset) or data.generate")
 
 
 @dataclass
@@ -108,12 +107,16 @@ class PrivateTrainingConfig:
 
 @dataclass
 class EvalConfig:
-    env_id: Optional[str] = None  # default: the dataset's environment, default physics (where the data were logged)
+    # Evaluate in a simulator: the dataset's environment (default physics, where the data were logged) when its id
+    # is a registered Gymnasium environment, or env_id. False, or no simulator: private evaluation on logged data.
+    enabled: bool = True
+    env_id: Optional[str] = None
     episodes: int = 10
     num_envs: int = 4
     max_episode_steps: Optional[int] = None  # the paper evaluates CartPole with 1000
     seed: int = 12345
     last_evals: int = 10  # the summary also reports the mean of the last this-many evaluations (the paper's protocol)
+    offline: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)  # without a simulator
 
     def __post_init__(self) -> None:
         for name in ("episodes", "num_envs", "last_evals"):
@@ -207,7 +210,7 @@ def load_data(
         dataset_path, expert_path = generate_dataset(config.generate, out_dir)
         expert_path = config.expert_set or expert_path
     else:
-        dataset_path, expert_path = config.dataset, config.expert_set
+        dataset_path, expert_path = config.npz_path, config.expert_set
     dataset = TrajectoryDataset.load(dataset_path)
     if not need_experts:
         return dataset, None
@@ -261,13 +264,34 @@ def run_release(
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
-def make_eval_env(config: EvalConfig, dataset_env_id: str):
+def simulator_id(config: EvalConfig, dataset_env_id: str) -> Optional[str]:
+    """The environment a run evaluates its policy in, or None: evaluation in a simulator is off, or there is none.
+
+    ``eval.env_id`` must name a registered Gymnasium environment (an error otherwise); the dataset's env id is used
+    when it is one (an imported table's usually is not: then there is no simulator)."""
+    if not config.enabled:
+        return None
+    import gymnasium as gym
+
+    import dporl.envs  # noqa: F401  (registers dporl/* environments)
+
+    env_id = config.env_id or dataset_env_id
+    try:
+        gym.spec(env_id)
+    except Exception as exc:  # NameNotFound, NamespaceNotFound, VersionNotFound, a malformed id
+        if config.env_id:
+            raise ValidationError("eval.env_id", f"{env_id!r} is not a registered Gymnasium environment "
+                                  f"({type(exc).__name__}: {exc})") from None
+        return None
+    return env_id
+
+
+def make_eval_env(config: EvalConfig, env_id: str):
     import gymnasium as gym
 
     import dporl.envs  # noqa: F401  (registers dporl/* environments)
 
     kwargs = {} if config.max_episode_steps is None else {"max_episode_steps": config.max_episode_steps}
-    env_id = config.env_id or dataset_env_id
     try:
         return gym.make_vec(env_id, num_envs=config.num_envs, vectorization_mode="sync", **kwargs)
     except (gym.error.Error, ModuleNotFoundError, ImportError) as exc:  # unknown id, missing extra (box2d)
@@ -275,51 +299,114 @@ def make_eval_env(config: EvalConfig, dataset_env_id: str):
         raise ValidationError(field, f"cannot make evaluation environment {env_id!r}: {exc}") from None
 
 
-def returns_evaluator(config: EvalConfig, env_id: str):
+def returns_evaluator(config: EvalConfig, env_id: str, progress: bool = False):
     """fn(module) -> return statistics of the greedy policy; one vector env reused across evaluations."""
     env = make_eval_env(config, env_id)
 
     def evaluate(module: DiscreteCQL) -> dict[str, float]:
-        return evaluate_returns(module.act, env, config.episodes, config.seed).to_dict()
+        return evaluate_returns(module.act, env, config.episodes, config.seed, progress=progress).to_dict()
 
     return evaluate, env
 
 
+def _evaluation_plan(config: ExpertCQLConfig, dataset: TrajectoryDataset, env_id: Optional[str]):
+    """The offline evaluation of a run without a simulator (None with one; the release methods evaluate only there)."""
+    if env_id is not None or config.method in ("stable_only", "mixed"):
+        return None
+    return plan_evaluation(config.eval.offline, dataset, (config.epsilon, config.delta),
+                           config.stage_budgets().get(TRAIN_STAGE))
+
+
+def resolved_budgets(config: ExpertCQLConfig, plan: Optional[EvaluationPlan]) -> dict[str, tuple[float, float]]:
+    """Each private stage's budget once the evaluation is planned (reusing the training units for a private
+    evaluation takes its budget out of training's)."""
+    budgets = config.stage_budgets()
+    if plan is not None and TRAIN_STAGE in budgets:
+        budgets[TRAIN_STAGE] = plan.train_budget
+    return budgets
+
+
+def training_plan(config: ExpertCQLConfig, dataset: TrajectoryDataset):
+    """(stage budgets, the data the training stage samples from) for ``config`` on ``dataset``, as ``run`` decides
+    them: the "train" cell when units are held out for a private evaluation (the audits use this)."""
+    plan = _evaluation_plan(config, dataset, simulator_id(config.eval, dataset.metadata.env_id))
+    parts = check_cells(plan, dataset) if plan is not None else {}
+    train_data = parts["train"] if plan is not None and plan.train_cells is not None else dataset
+    return resolved_budgets(config, plan), train_data
+
+
+def _announce_evaluation(config: ExpertCQLConfig, env_id: Optional[str], plan: Optional[EvaluationPlan],
+                         dataset_env_id: str) -> None:
+    """Say where the policy will be evaluated (public facts of the config and the environment registry only)."""
+    if env_id is not None:
+        print(f"evaluation: returns in the simulator {env_id!r} (post-processing: no privacy cost)")
+        return
+    why = ("simulator evaluation is off (eval.enabled: false)" if not config.eval.enabled else
+           f"no simulator: {dataset_env_id!r} is not a registered Gymnasium environment")
+    if plan is None or plan.estimator == "none":
+        print(f"{why}; the policy is not evaluated")
+        return
+    offline = config.eval.offline
+    where = (f"on {offline.holdout:.0%} of the units held out by a keyed hash of their ids (salt {offline.salt!r}), "
+             "composed in parallel with training" if offline.held_out else
+             "on the training units, composed sequentially with training")
+    print(f"{why}; evaluating the learned policy privately on logged data: DP-{plan.estimator.upper()} {where}, at "
+          f"(eps={plan.budget[0]:g}, delta={plan.budget[1]:g})")
+
+
 # ---------------------------------------------------------------------------------------------------- run
-def run(config: ExpertCQLConfig, mode: RunMode = "new") -> dict:
+def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[TrajectoryDataset] = None) -> dict:
     """One expert_cql run in ``config.run_dir`` (``mode``: see ``dporl.train.run_dir``); returns the public summary.
 
-    Every check (config hash, input hashes, data, evaluation environment, network sizes) happens before the first
+    ``dataset``: a dataset handed over in Python (``data.format: memory``; the Python API's path).
+    Every check (config hash, input hashes, data, evaluation, network sizes, budgets) happens before the first
     write; a finished run with the same provenance is read back, not repeated.
     """
     device = resolve_device(config.trainer.device, "trainer.device")  # a named error before any write
+    if (dataset is not None) != (config.data.format == "memory"):
+        raise ValidationError("data.format", "format 'memory' is for a dataset handed over in Python "
+                              "(run(config, dataset=...)), and only it takes one")
     run = RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode)
-    if config.data.generate is not None:
-        replaced = run.root if run.mode == "overwrite" and run.existing else None
-        check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
-        run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
     budgets = config.stage_budgets()
-    # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
-    dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
-    if experts is not None:  # the release evaluates the experts where the trainer runs (trainer.device)
-        experts.to(device)
+    experts, frame = None, None
+    if config.data.format == "npz":
+        if config.data.generate is not None:
+            replaced = run.root if run.mode == "overwrite" and run.existing else None
+            check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
+            run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
+        # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
+        dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
+        if experts is not None:  # the release evaluates the experts where the trainer runs (trainer.device)
+            experts.to(device)
+    elif dataset is None:
+        dataset, frame = import_dataset(config.data, progress=config.trainer.progress)
     meta = dataset.metadata
     if len(meta.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")
+    # The content hash covers the metadata too: the unit column and every unit's key.
     run.check_inputs(dataset=dataset.fingerprint(), **({"expert_set": experts.fingerprint()} if experts else {}))
     if run.finished:
         return run.read_summary()
-    sigma = _preflight(config, dataset, experts, budgets)
+    env_id = simulator_id(config.eval, meta.env_id)
+    plan = _evaluation_plan(config, dataset, env_id)
+    budgets = resolved_budgets(config, plan)
+    sigma, train_data = _preflight(config, dataset, experts, budgets, plan)
     with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
         algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit=dataset_unit(dataset))
-    evaluate, env = returns_evaluator(config.eval, meta.env_id)
+    evaluate, env = (returns_evaluator(config.eval, env_id, config.trainer.progress) if env_id is not None else
+                     (None, None))
+    _announce_evaluation(config, env_id, plan, meta.env_id)
     try:
         run.begin()
+        if config.data.imported:
+            save_imported(dataset, run.curator / "data", frame)  # curator-only copy of what was imported
         root = SecretRoot(config.noise_seed)
         ledger = run.ledger(budget=(config.epsilon, config.delta) if budgets else None)
-        summary = _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorithm, evaluate, env)
+        summary = _train(config, run, root, ledger, budgets, sigma, dataset, train_data, experts, algorithm,
+                         evaluate, env, plan)
     finally:
-        env.close()
+        if env is not None:
+            env.close()
     return summary
 
 
@@ -338,28 +425,42 @@ def _train_dp_config(config: ExpertCQLConfig, budget: tuple[float, float], sigma
 
 
 def _preflight(
-    config: ExpertCQLConfig, dataset: TrajectoryDataset, experts: Optional[ExpertSet], budgets
-) -> Optional[float]:
-    """Every refusal the run can know before it spends anything, raised before its first write: the batch size,
-    the release's preconditions and budget, and whether one training step fits the training budget. Returns the
-    training stage's noise multiplier (calibrated here once when the config leaves it to the budget)."""
-    m = dataset.metadata.n_experts
+    config: ExpertCQLConfig, dataset: TrajectoryDataset, experts: Optional[ExpertSet], budgets,
+    plan: Optional[EvaluationPlan],
+) -> tuple[Optional[float], TrajectoryDataset]:
+    """Every refusal the run can know before it spends anything, raised before its first write: the method's needs,
+    the batch size, the release's preconditions and budget, the evaluation's cells, and whether one training step
+    fits the training budget. Returns the training stage's noise multiplier (calibrated here once when the config
+    leaves it to the budget) and the data training reads (the "train" cell when units are held out)."""
+    column = dataset.metadata.unit_column
+    if column is not None and config.method in ("stable_only", "mixed"):
+        raise ValidationError(
+            "method", f"{config.method!r} runs the stable-prefix release, which queries the experts that logged the "
+            f"data and rolls them out in a public simulator; these data are grouped by column {column!r}, not by "
+            f"queryable experts: use method dp_sgd (unit-level DP-SGD over {column!r}, no simulator needed)"
+        )
     planned = PrivacyLedger((config.epsilon, config.delta))  # scratch: the release as it will be recorded
     if RELEASE_STAGE in budgets:  # no simulator, no (or a foreign) expert set, p_min, budget: every refusal
         eps1, delta1 = budgets[RELEASE_STAGE]
         account(plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release), planned)
+    parts = check_cells(plan, dataset) if plan is not None else {}
+    train_data = parts["train"] if plan is not None and plan.train_cells is not None else dataset
     if TRAIN_STAGE in budgets:
         # The sampling rate B / m does not depend on which rows.
-        private = expert_source(dataset, m, config.batch_size, config.dp.rows_per_expert)
+        private = expert_source(train_data, train_data.metadata.n_experts, config.batch_size,
+                                config.dp.rows_per_expert)
         source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
         return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps,
-                            source.step_event, ledger=planned, stage=TRAIN_STAGE)[0]
-    return None
+                            source.step_event, ledger=planned, stage=TRAIN_STAGE)[0], train_data
+    return None, train_data
 
 
-def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorithm, evaluate, env) -> dict:
+def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, experts, algorithm, evaluate, env,
+           plan) -> dict:
     meta = dataset.metadata
     stable, release_public = None, None
+    if plan is not None and plan.partition is not None:
+        ledger.partition(plan.partition)  # the run's one split of the units (a keyed hash of their ids)
     if RELEASE_STAGE in budgets:
         stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root)
         # Only functions of the release are printed: never a count of the private logged data.
@@ -368,13 +469,23 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
             f"{stable.n_episodes} prefixes of {config.release.trajectories} runs, {stable.n_transitions} transitions "
             f"in D_stable"
         )
+    if TRAIN_STAGE in budgets:
+        ledger.assume(f"the number of units in the training data is public: DP-SGD samples each at rate "
+                      f"{config.batch_size:g} / m and divides by the expected batch")
+    dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma) if TRAIN_STAGE in budgets else None
+    if dp is not None and TRAIN_STAGE not in ledger.stages:  # (a resumed run recovered it from its journal)
+        # Opened here for its cells (the Trainer opens the same stage otherwise and checks it matches).
+        ledger.stage(TRAIN_STAGE, budget=budgets[TRAIN_STAGE], mechanism=config.dp.accountant,
+                     unit=dataset_unit(dataset), cells=None if plan is None else plan.train_cells,
+                     shares_run_budget=dp.share_run_budget)
     source = training_source(
-        config.method, dataset, stable, batch_size=config.batch_size, rows_per_expert=config.dp.rows_per_expert,
+        config.method, train_data, stable, batch_size=config.batch_size, rows_per_expert=config.dp.rows_per_expert,
         p_dp=config.dp.p_dp,
     )
-    dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma) if TRAIN_STAGE in budgets else None
 
-    pipeline_config = {**to_dict(config), "resolved": {"env_id": config.eval.env_id or meta.env_id}}
+    env_id = None if env is None else (config.eval.env_id or meta.env_id)
+    pipeline_config = {**to_dict(config), "resolved": {"env_id": env_id}}
+    evaluators = {} if evaluate is None else {"eval": evaluate}
     result = Trainer(
         algorithm,
         source,
@@ -385,23 +496,33 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
         pipeline="expert_cql",
         pipeline_config=pipeline_config,
         stage=TRAIN_STAGE,
-        evaluators={"eval": evaluate},
-        public_evaluators=("eval",),  # returns of the released iterate in the public simulator
+        evaluators=evaluators,
+        public_evaluators=tuple(evaluators),  # returns of the released iterate in the public simulator
         secret_root=root,
     ).fit()
 
     _record_paper_figure(config, source, result, ledger)
+    offline = None
+    if plan is not None and plan.estimator != "none":
+        if config.method == "non_private" and ledger.void_reason is None:
+            ledger.void("method non_private: the policy was trained without privacy")
+        offline = _evaluate_offline_once(config, run, root, ledger, plan, dataset, algorithm)
     report = ledger.report()
     privacy = report.to_dict()
+    atomic_write_json(run.release / "privacy_report.json", privacy)  # every stage, the evaluation's included
+    _log_final_scalars(run, result.steps, report, offline)
     returns = [metrics["eval/return_mean"] for _, metrics in result.eval_history if "eval/return_mean" in metrics]
     last = returns[-config.eval.last_evals :]
-    env_id = config.eval.env_id or meta.env_id
+    observation_space, action_space = _spaces(env, meta)
     save_policy(
-        algorithm, run.policy_dir, env_id=env_id, observation_space=env.single_observation_space,
-        action_space=env.single_action_space,
+        algorithm, run.policy_dir, env_id=env_id, observation_space=observation_space, action_space=action_space,
         privacy={"guarantee": privacy["guarantee"], "void": privacy["void"], "text": privacy["text"]},
-        extra={"pipeline": "expert_cql", "method": config.method, "max_episode_steps": config.eval.max_episode_steps},
+        extra={"pipeline": "expert_cql", "method": config.method, "max_episode_steps": config.eval.max_episode_steps,
+               **({"offline_evaluation": offline} if offline is not None else {})},
     )
+    evaluation = ({"mode": "simulator", "env_id": env_id} if env is not None else
+                  {"mode": "offline", "composition": plan.composition, **offline} if offline is not None else
+                  {"mode": "none"})
     public = {
         "pipeline": "expert_cql",
         "method": config.method,
@@ -411,10 +532,12 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
         "noise_multiplier": result.noise_multiplier,
         "final_metrics": result.public_metrics,
         "return_mean_last_evals": sum(last) / len(last) if last else math.nan,
+        "evaluation": evaluation,
         "release": release_public,
         "stable_transitions": None if stable is None else int(stable.n_transitions),
         "privacy": privacy,
         "policy": "policy/",
+        "headline": _headline(config, last, offline),
     }
     run.write_summaries(public, {**public, "run_dir": str(run.root), "config": to_dict(config), "inputs": run.inputs,
                                  "final_metrics_all": result.metrics})
@@ -424,6 +547,68 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, experts, algorith
         print("NO PRIVACY GUARANTEE: non-private baseline (method non_private)")
     print(f"release (safe to share): {run.release}; curator-only (never share): {run.curator}")
     return public
+
+
+OFFLINE_EVALUATION = "offline_evaluation"
+
+
+def _evaluate_offline_once(config, run, root, ledger, plan: EvaluationPlan, dataset, algorithm) -> dict[str, Any]:
+    """The private evaluation of the learned policy, paid once: a resumed run reuses a completed one and refuses to
+    repeat one an earlier attempt started (its releases are charged in the journal)."""
+    manifest = run.completed(OFFLINE_EVALUATION)
+    if manifest is not None:
+        return manifest
+    started = [name for name in evaluation_stages(plan) if name in ledger.stages]
+    if started:
+        raise PrivacyBudgetError(
+            "eval.offline", f"an earlier attempt of this run started the offline evaluation (stage {started[0]!r} is "
+            f"in {run.journal_path}) but did not finish it; a second evaluation would not fit its budget. Start a "
+            "new run_dir (or --overwrite: the interrupted attempt's spend is then not part of the new guarantee)"
+        )
+    offline = replace(config.eval.offline, fqe=replace(config.eval.offline.fqe, progress=config.trainer.progress))
+    result = evaluate_offline(plan, offline, dataset, algorithm, gamma=config.cql.gamma, ledger=ledger, root=root,
+                              work_dir=run.curator / "offline_evaluation")
+    manifest = {**result.to_dict(), "estimator": plan.estimator}
+    run.complete(OFFLINE_EVALUATION, manifest)
+    print(f"offline evaluation: {result.describe()}")
+    return manifest
+
+
+def _log_final_scalars(run: RunDirectory, step: int, report, offline: Optional[dict]) -> None:
+    """The run's final privacy scalars (every stage, the evaluation's included) and the released policy value."""
+    from dporl.logging import RunLogger
+
+    logger = RunLogger(run.release / "tensorboard")
+    values = report.scalars()
+    if offline is not None:
+        values.update({"offline/value": offline["value"], "offline/ci_low": offline["ci_low"],
+                       "offline/ci_high": offline["ci_high"]})
+    logger.scalars(values, step)
+    logger.close()
+
+
+def _spaces(env, meta):
+    """The policy's observation and action spaces: the simulator's, or what the data declare."""
+    if env is not None:
+        return env.single_observation_space, env.single_action_space
+    import gymnasium as gym
+    import numpy as np
+
+    return (gym.spaces.Box(-np.inf, np.inf, shape=meta.obs_shape, dtype=np.float32),
+            gym.spaces.Discrete(meta.n_actions))
+
+
+def _headline(config: ExpertCQLConfig, last: list[float], offline: Optional[dict]) -> dict[str, str]:
+    """The few numbers a person reads first (all public: released values, the budget)."""
+    headline = {}
+    if last:
+        headline[f"return in the simulator (mean of the last {len(last)} evaluations)"] = f"{sum(last) / len(last):.4g}"
+    if offline is not None:
+        headline[f"policy value (DP-{offline['estimator'].upper()}, {100 * offline['confidence']:g}% interval)"] = (
+            f"{offline['value']:.4g} [{offline['ci_low']:.4g}, {offline['ci_high']:.4g}]"
+            + ("" if offline.get("calibrated", True) else " (interval NOT calibrated: see the evaluation's notes)")
+        )
+    return headline
 
 
 def _record_paper_figure(config: ExpertCQLConfig, source: Any, result, ledger: PrivacyLedger) -> None:
