@@ -242,6 +242,9 @@ def test_evaluate_py_from_the_release_alone(logged, tmp_path, capsys):
     spec.loader.exec_module(module)
     capsys.readouterr()
     assert module.main(["--run", str(shared), "--episodes", "3", "--seed", "5"]) == 0
+    human = capsys.readouterr().out.splitlines()  # short: the headline, then the guarantee (none: non_private)
+    assert human[0].startswith("return (3 episodes, 95% interval): ") and human[-1] == "NO PRIVACY GUARANTEE"
+    assert module.main(["--run", str(shared), "--episodes", "3", "--seed", "5", "--json", "--no-progress"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["episodes"] == 3 and metrics["env_id"] == "CartPole-v1"
     assert (shared / "release" / "evaluations" / "eval_seed5_episodes3.json").exists()

@@ -88,12 +88,12 @@ def test_train_cli_runs_the_quick_config_with_overrides(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "dataset_quick.yaml"),
          f"out_dir={tmp_path}", "experts.n_settings=2", "experts.candidates_per_setting=1", "experts.keep_best=1",
-         "trajectories_per_expert=1", "max_episode_steps=20", "progress=false"],
+         "trajectories_per_expert=1", "max_episode_steps=20", "progress=false", "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "dataset: 2 episodes" in result.stdout
-    assert json.loads(result.stdout[result.stdout.index("{"):])["n_experts"] == 2
+    assert json.loads(result.stdout[result.stdout.index("{"):])["n_experts"] == 2  # --json: the whole summary
     assert TrajectoryDataset.load(tmp_path / "dataset.npz").n_episodes == 2
 
 

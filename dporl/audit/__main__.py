@@ -31,12 +31,12 @@ def _settings(overrides: list[str]) -> dict[str, Any]:
     return settings
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> int:
     from dporl.audit.config_audit import audits_for_config
     from dporl.audit.experiment import run_audit
     from dporl.audit.registry import AUDITS, POWER_SETTINGS, build_audit
 
-    parser = argparse.ArgumentParser(prog="python -m dporl.audit", description=__doc__,
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--mechanism", choices=sorted(AUDITS), help="a built-in audit")

@@ -51,13 +51,48 @@ def known_pipelines() -> list[str]:
     return sorted(_MODULES)
 
 
-def run_cli(work: Callable[[], Any]) -> int:
-    """A command line's outcome: ``work()``'s result as JSON on stdout (exit 0), or the bad input, named by its
-    field, on stderr (exit 2)."""
+def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
+    """A command line's outcome: a short human summary of ``work()``'s result on stdout, ending with the headline
+    metrics and the guarantee (``as_json``: the whole result as JSON, for machines), exit 0; or the bad input, named
+    by its field, on stderr (exit 2). Full configs and summaries live in the run directory, not on the screen."""
     try:
         result = work()
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, default=str))
+    print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0
+
+
+def outcome_text(result: Any) -> str:
+    """What a person reads at the end of a run: a few scalar facts, the headline metrics, then the guarantee."""
+    if not isinstance(result, dict):
+        return str(result)
+    lines = []
+    headline = result.get("headline")
+    if isinstance(headline, dict) and headline:
+        lines += [f"{name}: {value}" for name, value in headline.items()]
+    else:  # no headline: the result's scalar entries (nested tables and configs are in the run directory)
+        lines += [f"{name}: {_short(value)}" for name, value in result.items()
+                  if name not in ("privacy", "config") and (value is None or isinstance(value, (str, int, float)))]
+    privacy = result.get("privacy")
+    if isinstance(privacy, dict):
+        lines.append(guarantee_line(privacy))
+    return "\n".join(lines)
+
+
+def guarantee_line(privacy: dict) -> str:
+    """One line for a privacy report's dict (``PrivacyReport.to_dict()``): the guarantee, or why there is none."""
+    guarantee = privacy.get("guarantee")
+    if privacy.get("void"):
+        return f"NO GUARANTEE: {privacy['void']}"
+    if not guarantee:
+        return "NO PRIVACY GUARANTEE" + (f": {'; '.join(privacy['notes'])}" if privacy.get("notes") else "")
+    unit = guarantee.get("unit")
+    column = guarantee.get("unit_column")
+    return (f"GUARANTEE: ({guarantee['epsilon']:.4g}, {guarantee['delta']:g})-DP; privacy unit: {unit}"
+            f"{f' (column {column!r})' if column and column != 'expert_id' else ''}; {guarantee.get('neighbouring', '')}")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,187 @@
+"""The short Python path: a d3rlpy-like config creates the algorithm, shapes and the privacy unit come from the data.
+
+    import dporl
+    data = dporl.read_table("stays.csv", episode="stay", unit="clinician", observations="obs_",
+                            action="action", reward="reward", propensity="propensity")
+    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)   # obs dim, actions, unit: from the data
+    result = cql.fit(run_dir="runs/stays")                      # private CQL + private evaluation, one ledger
+    policy = dporl.load_policy(result.policy_dir)               # policy.act(obs); policy.save(dir)
+
+``fit`` runs the ``expert_cql`` pipeline (the code path behind ``dporl train --config``) on the dataset in memory,
+with ``method: dp_sgd``: unit-level DP-SGD CQL over the dataset's unit (the column named in ``read_table``), then
+the policy's evaluation: in the simulator when the dataset's env id is a registered Gymnasium environment, else
+privately on held-out units (``evaluation``, a ``dporl.pipelines.offline_eval.OfflineEvalConfig``), composed in
+parallel so the run's guarantee is ``epsilon``, not the sum. The run directory keeps ``release/`` (the policy, the
+privacy report, the public summary) apart from ``curator/`` (the imported data, the journal, checkpoints).
+``pipeline_config(run_dir)`` gives the equivalent YAML config (``dporl.utils.config.dump_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.data.dataset import TrajectoryDataset
+from dporl.pipelines.expert_cql import EvalConfig, ExpertCQLConfig, PrivateTrainingConfig
+from dporl.pipelines.expert_cql import run as run_pipeline
+from dporl.pipelines.inputs import DataConfig
+from dporl.pipelines.offline_eval import OfflineEvalConfig
+from dporl.privacy.units import PrivacyUnit, dataset_unit
+from dporl.train.config import OptimizerConfig, TrainerConfig
+from dporl.train.export import GreedyQPolicy, load_policy
+from dporl.train.run_dir import RunMode
+from dporl.utils.seeding import seeded
+from dporl.utils.validation import ValidationError, check_positive
+
+
+@dataclass
+class DiscreteCQLConfig:
+    """Unit-level private discrete CQL (Kumar et al. 2020; DP-SGD per unit as in Sharma et al. 2024, Algorithm 4).
+
+    Privacy: ``epsilon`` / ``delta`` bound the whole run (training and evaluation) for one unit of the dataset
+    (add/remove all its rows). ``batch_size`` is the expected number of units per DP-SGD step (Poisson rate
+    batch_size / units; the number of units is treated as public), ``rows_per_unit`` the transitions each sampled
+    unit contributes to its one clipped gradient. ``steps`` caps training; the noise is calibrated so that those
+    steps fit the budget (``noise_multiplier`` fixes it instead; then training stops at the budget).
+    """
+
+    epsilon: float = 1.0
+    delta: float = 1e-5
+    private: bool = True  # False: non-private CQL (NO guarantee; the baseline)
+    batch_size: float = 64
+    rows_per_unit: int = 4
+    steps: int = 500
+    noise_multiplier: Optional[float] = None
+    max_grad_norm: float = 1.0
+    learning_rate: float = 1e-3
+    gamma: float = 0.99
+    alpha: float = 1.0  # weight of the conservative term
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    target_update_interval: int = 100
+    reward_scale: float = 1.0  # public constant dividing rewards in the TD target
+    evaluation: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)
+    simulator: bool = True  # evaluate in the dataset's simulator when its env id is a registered environment
+    eval_episodes: int = 10  # simulator evaluation
+    noise_seed: Optional[int] = None  # None: 256 secret bits from the OS; a fixed seed is a secret like the data
+    seed: int = 0  # public: network initialisation
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("epsilon", self.epsilon)
+        check_positive("batch_size", self.batch_size)
+        if self.steps < 1:
+            raise ValidationError("steps", f"must be >= 1, got {self.steps}")
+
+    def pipeline_config(self, run_dir: str | Path, data: Optional[DataConfig] = None) -> ExpertCQLConfig:
+        """The ``expert_cql`` config this runs (``data``: where the data come from; default: handed over in Python)."""
+        return ExpertCQLConfig(
+            method="dp_sgd" if self.private else "non_private",
+            run_dir=str(run_dir),
+            epsilon=self.epsilon,
+            delta=self.delta,
+            batch_size=self.batch_size,
+            noise_seed=self.noise_seed,
+            data=data or DataConfig(format="memory"),
+            dp=PrivateTrainingConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+                                     rows_per_expert=self.rows_per_unit),
+            cql=CQLConfig(hidden_sizes=list(self.hidden_sizes), gamma=self.gamma, alpha=self.alpha,
+                          target_update_every=self.target_update_interval, reward_scale=self.reward_scale),
+            trainer=TrainerConfig(max_steps=self.steps, seed=self.seed, progress=self.progress,
+                                  eval_every=max(1, self.steps // 5), log_every=max(1, self.steps // 20),
+                                  checkpoint_every=max(1, self.steps // 5),
+                                  optimizer=OptimizerConfig(name="adam", lr=self.learning_rate)),
+            eval=EvalConfig(enabled=self.simulator, episodes=self.eval_episodes, offline=self.evaluation),
+        )
+
+    def create(self, dataset: TrajectoryDataset) -> "PrivateCQL":
+        """The algorithm for ``dataset``: observation size, number of actions and privacy unit from its metadata."""
+        return PrivateCQL(self, dataset)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What a fit released: the guarantee, the evaluation, where the policy is (all public: from ``release/``)."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+    @property
+    def policy_dir(self) -> Path:
+        return self.run_dir / "release" / "policy"
+
+    @property
+    def guarantee(self) -> Optional[tuple[float, float]]:
+        """(epsilon, delta) of the whole run, or None (non-private, or no analysis covers it)."""
+        g = self.summary["privacy"]["guarantee"]
+        return None if g is None else (g["epsilon"], g["delta"])
+
+    @property
+    def evaluation(self) -> dict[str, Any]:
+        """How the policy was evaluated: ``mode`` simulator | offline | none, and the (private) value with its
+        interval for offline evaluation."""
+        return self.summary["evaluation"]
+
+    @property
+    def value(self) -> Optional[tuple[float, float, float]]:
+        """(value, interval low, interval high) of the offline evaluation, or None."""
+        e = self.evaluation
+        return (e["value"], e["ci_low"], e["ci_high"]) if e.get("mode") == "offline" else None
+
+    def __str__(self) -> str:
+        from dporl.pipelines import outcome_text
+
+        return outcome_text(self.summary)
+
+
+class PrivateCQL:
+    """Discrete CQL built for one dataset; ``fit`` trains it privately and releases the greedy policy."""
+
+    def __init__(self, config: DiscreteCQLConfig, dataset: TrajectoryDataset):
+        if not isinstance(dataset, TrajectoryDataset):
+            raise ValidationError("dataset", f"expected a TrajectoryDataset (dporl.read_table, read_minari, "
+                                  f"TrajectoryDataset.load), got {type(dataset).__name__}")
+        meta = dataset.metadata
+        if len(meta.obs_shape) != 1:
+            raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")
+        self.config = config
+        self.dataset = dataset
+        self.unit: PrivacyUnit = dataset_unit(dataset)
+        self.observation_size, self.n_actions = meta.obs_shape[0], meta.n_actions
+        with seeded(config.seed):  # the pipeline builds the same network under the same public seed
+            self.module = DiscreteCQL(self.observation_size, self.n_actions,
+                                      config.pipeline_config(".").cql, privacy_unit=self.unit)
+        self.result: Optional[FitResult] = None
+
+    def fit(self, dataset: Optional[TrajectoryDataset] = None, *, run_dir: str | Path,
+            mode: RunMode = "new") -> FitResult:
+        """Train privately on ``dataset`` (default: the one this was created for) and evaluate, in ``run_dir``
+        (``mode`` "new" refuses an existing run; "resume" continues it; "overwrite" replaces it)."""
+        dataset = self.dataset if dataset is None else dataset
+        meta = dataset.metadata
+        if (meta.obs_shape[0] if len(meta.obs_shape) == 1 else None, meta.n_actions) != (
+                self.observation_size, self.n_actions) or dataset_unit(dataset) != self.unit:
+            raise ValidationError("dataset", f"created for {self.observation_size} features, {self.n_actions} "
+                                  f"actions and unit {self.unit}; this dataset differs: create() for it")
+        run_dir = Path(run_dir)
+        summary = run_pipeline(self.config.pipeline_config(run_dir), mode=mode, dataset=dataset)
+        released = load_policy(run_dir / "release" / "policy")
+        self.module.q_network.load_state_dict(released.q_network.state_dict())
+        self.module.target_network.load_state_dict(released.q_network.state_dict())
+        self.result = FitResult(run_dir, summary)
+        return self.result
+
+    @property
+    def policy(self) -> GreedyQPolicy:
+        """The greedy policy of the current Q-network (``.act(obs)``, ``.save(dir)``)."""
+        return GreedyQPolicy.from_q_network(self.module.q_network)
+
+    def predict(self, observations: Any) -> torch.Tensor:
+        """Greedy actions [B] for observations [B, observation_size] (d3rlpy's name)."""
+        return self.module.act(torch.as_tensor(observations, dtype=torch.float32))
+
+    def save_policy(self, directory: str | Path) -> Path:
+        return self.policy.save(directory)

@@ -1,0 +1,283 @@
+"""The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
+
+    dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
+    dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
+    dporl audit (--all | --mechanism NAME | --config C | --list) [--trials N] ...   (``python -m dporl.audit``)
+    dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL ...] [--json]
+    dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]
+
+``train``: run the pipeline a YAML config names. Overrides use dotted keys (``epsilon=1 trainer.max_steps=500``);
+values are parsed as YAML; unknown keys fail. The run directory must be new or empty: ``--resume`` continues the run
+found there if its provenance (config and input hashes) equals this one's and names what differs otherwise;
+``--overwrite`` replaces it after the new config and inputs were validated. stdout ends with the headline metrics
+and the guarantee; the full config and summaries go to the run directory (``--json`` prints the whole public
+summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
+
+``evaluate``: returns of a released policy in its public simulator, from ``RUN/release/`` alone (post-processing: no
+privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
+
+``data inspect``: what a dataset file holds (episodes, units, actions, observation shape, unit column). It describes
+PRIVATE data: the output is curator-only information, never to be published.
+
+Every refusal (bad input, impossible budget) exits with status 2, names the field, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from dporl.utils.validation import ValidationError
+
+
+# ---------------------------------------------------------------------------------------------------- train
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML file naming a pipeline (expert_cql, dataset, ope, fnq)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_const", const="resume", dest="mode",
+                      help="continue the run in the run directory (same config and inputs only)")
+    mode.add_argument("--overwrite", action="store_const", const="overwrite", dest="mode",
+                      help="replace the run in the run directory (removed after the new config validated)")
+    parser.add_argument("--json", action="store_true", help="print the whole public summary as JSON")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+
+
+def train(args: argparse.Namespace) -> int:
+    from dporl.pipelines import get_pipeline, run_cli
+    from dporl.utils.config import apply_overrides, from_dict, load_yaml
+
+    def work() -> dict:
+        data = apply_overrides(load_yaml(args.config), args.overrides)
+        pipeline = get_pipeline(data.get("pipeline"))
+        return pipeline.run(from_dict(pipeline.config_cls, data), mode=args.mode or "new")
+
+    return run_cli(work, as_json=args.json)
+
+
+def train_main(argv: Optional[list[str]] = None, prog: str = "dporl train") -> int:
+    """``dporl train`` (and ``train.py``)."""
+    return _standalone(add_train_arguments, train, argv, prog)
+
+
+def _standalone(add_arguments, command, argv: Optional[list[str]], prog: str) -> int:
+    """One subcommand as its own program (``train.py``, ``evaluate.py``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return command(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------------------------------------------- evaluate
+def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a run directory (its release/policy is evaluated)")
+    source.add_argument("--policy", help="a policy directory (e.g. RUN/release/policy)")
+    source.add_argument("--checkpoint", help="a curator checkpoint, rescored by its pipeline's hook")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--env", default=None, help="environment id (default: the one the policy names)")
+    parser.add_argument("--num-envs", type=int, default=10)
+    parser.add_argument("--max-episode-steps", type=int, default=None)
+    parser.add_argument("--out", default=None, help="directory for eval outputs")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from dporl.pipelines import get_pipeline, run_cli
+
+    def work() -> dict:
+        if args.episodes < 1:
+            raise ValidationError("episodes", f"must be >= 1, got {args.episodes}")
+        out = Path(args.out) if args.out else None
+        if args.checkpoint is not None:
+            from dporl.train.checkpoint import load_checkpoint
+
+            payload = load_checkpoint(args.checkpoint)
+            pipeline = get_pipeline(payload["pipeline"])
+            if pipeline.evaluate is None:
+                raise ValidationError("checkpoint", f"pipeline {pipeline.name!r} has no checkpoint evaluator; use --run")
+            run_dir = Path(args.checkpoint).resolve().parent.parent.parent  # RUN/curator/checkpoints/last.pt
+            return pipeline.evaluate(payload, episodes=args.episodes, seed=args.seed, out_dir=out or run_dir)
+        from dporl.eval.returns import evaluate_released_policy
+
+        policy_dir = Path(args.policy) if args.policy else Path(args.run) / "release" / "policy"
+        return evaluate_released_policy(
+            policy_dir, episodes=args.episodes, seed=args.seed, env_id=args.env, num_envs=args.num_envs,
+            max_episode_steps=args.max_episode_steps, out=out, progress=not args.no_progress,
+        )
+
+    return run_cli(work, as_json=args.json)
+
+
+def evaluate_main(argv: Optional[list[str]] = None, prog: str = "dporl evaluate") -> int:
+    """``dporl evaluate`` (and ``evaluate.py``)."""
+    return _standalone(add_evaluate_arguments, evaluate, argv, prog)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+TABLE_FLAGS = ("episode", "unit", "observations", "action", "reward", "step", "terminated", "truncated",
+               "next_observations", "propensity")
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="data_command", required=True)
+    inspect = commands.add_parser(
+        "inspect", help="summarise a dataset file (curator-only: it describes private data)",
+        description="Summarise a dataset: a saved .npz, a CSV / Parquet table (give its column mapping) or a local "
+                    "Minari dataset id (give --unit, the info key of the privacy unit). The output describes PRIVATE "
+                    "data: it is curator-only information, never to be published.")
+    inspect.add_argument("file", help="a .npz dataset, a .csv/.tsv/.parquet table, or a Minari dataset id")
+    inspect.add_argument("--format", choices=["auto", "npz", "table", "minari"], default="auto")
+    for flag in TABLE_FLAGS:
+        inspect.add_argument(f"--{flag.replace('_', '-')}", dest=flag, default=None,
+                             help=f"table: the {flag.replace('_', ' ')} column" +
+                                  (" (or a prefix of columns)" if "observations" in flag else "") +
+                                  ("; minari: the info key of the unit" if flag == "unit" else ""))
+    inspect.add_argument("--propensity-kind", choices=["prob", "log_prob"], default="prob")
+    inspect.add_argument("--json", action="store_true")
+    example = commands.add_parser(
+        "example", help="write an example table with a known policy value (public synthetic data)",
+        description="Write a logged-decision table of the treatment chain (dporl.eval.ope_coverage): clinicians "
+                    "as units, one-hot states, treat / wait, logged propensities; every policy's value is exact.")
+    example.add_argument("problem", choices=["treatment_chain"])
+    example.add_argument("out", help="the CSV (or .parquet) file to write")
+    example.add_argument("--units", type=int, default=4000)
+    example.add_argument("--episodes-per-unit", type=int, default=4)
+    example.add_argument("--seed", type=int, default=0)
+
+
+def data(args: argparse.Namespace) -> int:
+    from dporl.pipelines import run_cli
+
+    if args.data_command == "example":
+        return run_cli(lambda: write_example(args))
+    if args.json:
+        return run_cli(lambda: inspect_dataset(args), as_json=True)
+    try:
+        summary = inspect_dataset(args)
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(describe_dataset(summary))
+    return 0
+
+
+def _format_of(args: argparse.Namespace) -> str:
+    if args.format != "auto":
+        return args.format
+    suffix = Path(args.file).suffix.lower()
+    if suffix == ".npz":
+        return "npz"
+    if suffix in (".csv", ".tsv", ".txt", ".gz", ".parquet", ".pq"):
+        return "table"
+    return "minari"
+
+
+def inspect_dataset(args: argparse.Namespace) -> dict:
+    """A curator-only summary of a dataset file (counts of private rows: never publish it)."""
+    import numpy as np
+
+    from dporl.data.dataset import TrajectoryDataset
+    from dporl.data.table import import_summary, read_minari, read_table
+
+    kind = _format_of(args)
+    if kind == "npz":
+        dataset = TrajectoryDataset.load(args.file)
+    elif kind == "table":
+        mapping = {flag: getattr(args, flag) for flag in TABLE_FLAGS if getattr(args, flag) is not None}
+        missing = [flag for flag in ("episode", "unit", "observations", "action", "reward") if flag not in mapping]
+        if missing:
+            raise ValidationError(f"--{missing[0]}", "a table needs its column mapping: --episode, --unit, "
+                                  "--observations, --action, --reward (and optional --step, --terminated, "
+                                  "--truncated, --next-observations, --propensity)")
+        dataset = read_table(args.file, **mapping, propensity_kind=args.propensity_kind)
+    else:
+        if args.unit is None:
+            raise ValidationError("--unit", "a Minari dataset needs the info key of its privacy unit")
+        dataset = read_minari(args.file, unit=args.unit)
+    meta = dataset.metadata
+    per_unit = np.bincount(dataset.unit_ids, minlength=dataset.n_units)
+    return {
+        "file": str(args.file),
+        "format": kind,
+        "curator_only": True,
+        "episodes": dataset.n_episodes,
+        "transitions": dataset.n_transitions,
+        "units": dataset.n_units,
+        "unit_column": meta.unit_column or "expert_id (the logging expert)",
+        "episodes_per_unit": {"min": int(per_unit.min()), "mean": float(per_unit.mean()), "max": int(per_unit.max())},
+        "actions": meta.n_actions,
+        "action_counts": dataset.summary()["action_counts"],
+        "observation_shape": list(meta.obs_shape),
+        "propensities": dataset.behavior_log_probs is not None,
+        "env_id": meta.env_id,
+        "import": import_summary(dataset),
+    }
+
+
+def describe_dataset(summary: dict) -> str:
+    per_unit = summary["episodes_per_unit"]
+    lines = [
+        f"{summary['file']} ({summary['format']})",
+        f"  episodes: {summary['episodes']}  transitions: {summary['transitions']}",
+        f"  units: {summary['units']} (column {summary['unit_column']}); episodes per unit: min {per_unit['min']}, "
+        f"mean {per_unit['mean']:.3g}, max {per_unit['max']}",
+        f"  actions: {summary['actions']} (counts {summary['action_counts']})",
+        f"  observation shape: {tuple(summary['observation_shape'])}",
+        f"  propensities logged: {'yes' if summary['propensities'] else 'no'}; env id: {summary['env_id']}",
+    ]
+    imported = summary.get("import")
+    if imported:
+        lines.append(f"  import: {imported['rows']} rows, {imported['dropped_truncated_steps']} truncated last steps "
+                     f"dropped (no next state), {imported['terminal_placeholders']} terminal placeholders")
+    lines.append("CURATOR-ONLY: these counts describe private data; they are not covered by any privacy guarantee. "
+                 "Never publish them.")
+    return "\n".join(lines)
+
+
+def write_example(args: argparse.Namespace) -> dict:
+    from dporl.pipelines.inputs import ExampleTable
+    from dporl.utils.io import atomic_write
+
+    example = ExampleTable(problem=args.problem, units=args.units, episodes_per_unit=args.episodes_per_unit,
+                           seed=args.seed)
+    frame = example.frame()
+    out = Path(args.out)
+    if out.suffix.lower() in (".parquet", ".pq"):
+        atomic_write(out, lambda tmp: frame.to_parquet(tmp, index=False), suffix=".parquet")
+    else:
+        atomic_write(out, lambda tmp: frame.to_csv(tmp, index=False), suffix=".csv")
+    return {"wrote": str(out), "problem": args.problem, "units": args.units,
+            "episodes_per_unit": args.episodes_per_unit, "seed": args.seed,
+            "columns": "episode, clinician (the unit), step, obs_0.., action, reward, terminated, truncated, "
+                       "next_obs_0.., propensity"}
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "audit":  # its own parser (python -m dporl.audit), every option passed through
+        from dporl.audit.__main__ import main as audit_main
+
+        return audit_main(argv[1:], prog="dporl audit")
+    parser = argparse.ArgumentParser(prog="dporl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_train_arguments(commands.add_parser("train", help="run a pipeline config (private training + evaluation)"))
+    add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
+    commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
+    add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return train(args)
+    if args.command == "evaluate":
+        return evaluate(args)
+    return data(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
