@@ -199,6 +199,21 @@ def test_dp_fqe_folds_compose_in_parallel(tmp_path):
     assert restored.report().notes == report.notes
 
 
+def test_dp_fqe_reproduces_under_a_fixed_root_whatever_ran_before(tmp_path):
+    """The Q-network's initialisation is public and seeded (``FQETraining.seed``), so a run with a fixed noise_seed
+    reproduces its release exactly; it once came from torch's global generator, whose state depends on what ran
+    before (the released value then changed from run to run)."""
+    values = []
+    for i, global_seed in enumerate((1, 2, 1)):
+        torch.manual_seed(global_seed)  # whatever the global generator holds
+        training = TRAINING if i < 2 else FQETraining(**{**TRAINING.__dict__, "seed": 1})
+        result = dp_fqe(_data(200), TARGET, epsilon=1.0, delta=1e-5, ledger=PrivacyLedger(), root=SecretRoot(9),
+                        run_dir=tmp_path / str(i), unit_clip=12.0, folds=2, training=training)
+        values.append(result.fold_values)
+    assert values[0] == values[1]  # exact: same root, same public seed
+    assert values[2] != values[0]  # the seed is used: another initialisation gives another (noisy) fixed point
+
+
 def test_dp_doubly_robust_spends_each_budget_on_its_own_cell(tmp_path):
     ledger = PrivacyLedger()
     public = FQETraining(**{**TRAINING.__dict__, "expected_units": 20.0})  # a public normaliser: count stays private
