@@ -306,7 +306,7 @@ def dp_importance_sampling(
 _CAVEATS = {
     "fqe": "DP-SGD noise in the clipped TD updates biases the fitted fixed point (here low, by 0.08-0.11), and the "
            "spread over folds does not include that bias; measured coverage 0.89 [0.81, 0.94] over 100 table runs and "
-           "0.905 at eps 1 on the treatment chain (docs/results.md)",
+           "0.895 [0.84, 0.93] over 200 treatment-chain datasets at eps 1 (docs/results.md)",
     "pdis": "clipping heavy-tailed per-decision weights biases PDIS; measured coverage 0.23 at eps 1 on the treatment "
             "chain (docs/results.md); use WIS, or a larger unit_clip",
     "dr": "the delta method underestimates the variance of DR terms built on a noisy DP-FQE model; measured coverage "
