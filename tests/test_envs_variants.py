@@ -73,8 +73,12 @@ def test_vector_cartpole_runs_one_setting_per_sub_env():
 
 def test_vector_variant_falls_back_to_sync_envs():
     vec = make_vector_variant("Acrobot-v1", {"LINK_MASS_1": [0.9, 1.1]}, num_envs=2)
-    assert isinstance(vec, gym.vector.SyncVectorEnv)
+    assert not isinstance(vec, gym.vector.SyncVectorEnv)  # numpy-batched (dporl.envs.classic_vector)
     assert physics_of(vec, "Acrobot-v1")["LINK_MASS_1"] == [0.9, 1.1]
+    pytest.importorskip("Box2D")
+    lander = make_vector_variant("LunarLander-v3", {"gravity": [-9.0, -11.0]}, num_envs=2)
+    assert isinstance(lander, gym.vector.SyncVectorEnv)
+    assert physics_of(lander, "LunarLander-v3")["gravity"] == [-9.0, -11.0]
 
 
 def test_paper_grids():

@@ -3,8 +3,9 @@
 ``make_variant(env_id, params)`` builds a Gymnasium env with physics from a dict. Classic-control physics are
 attributes of ``env.unwrapped`` (set after ``gym.make``; CartPole's derived ``total_mass`` and ``polemass_length``
 are recomputed), LunarLander's are ``gym.make`` arguments, the HIV simulator's are its reward weights and efficacy
-noise. ``make_vector_variant`` gives a vector env, one setting per sub-environment if asked: CartPole and HIV use
-their numpy-batched vector envs (every physics attribute may be an array over sub-environments), others a
+noise. ``make_vector_variant`` gives a vector env, one setting per sub-environment if asked: CartPole, Acrobot and HIV use
+numpy-batched vector envs (every physics attribute may be an array over sub-environments; CartPole's and Acrobot's
+from ``dporl.envs.classic_vector``, whose sub-envs each own a random stream), others (LunarLander) a
 ``SyncVectorEnv``. ``PHYSICS_GRIDS`` holds the paper's grids (appendix B.1), ``physics_grid`` enumerates them.
 
 Acrobot note: Gymnasium keeps the centres of mass (LINK_COM_POS_*) and moments of inertia fixed when lengths
@@ -21,6 +22,7 @@ from typing import Any, Callable, Mapping
 import gymnasium as gym
 import numpy as np
 
+from dporl.envs.classic_vector import AcrobotVectorEnv, CartPoleVectorEnv
 from dporl.utils.validation import ValidationError
 
 HIV_ID = "dporl/HIVTreatment-v0"
@@ -38,7 +40,8 @@ class VariantSpec:
     attributes: tuple[str, ...] = ()  # set on env.unwrapped after construction
     make_arguments: tuple[str, ...] = ()  # passed to the constructor
     recompute: Callable[[Any], None] | None = None  # refresh derived quantities after attributes change
-    vector_entry_point: bool = False  # a numpy-batched VectorEnv whose attributes may be per-sub-env arrays
+    vector_entry_point: bool = False  # the env id's registered vector entry point: numpy-batched, per-sub-env arrays
+    vector_class: Callable[..., gym.vector.VectorEnv] | None = None  # a numpy-batched VectorEnv built directly
     # name -> (low, high, closed): allowed values lie in [low, high] if closed else (low, high); None = unbounded
     bounds: dict[str, tuple[float | None, float | None, bool]] = field(default_factory=dict)
 
@@ -51,11 +54,12 @@ VARIANT_SPECS: dict[str, VariantSpec] = {
     "CartPole-v1": VariantSpec(
         attributes=("gravity", "force_mag", "masscart", "masspole", "length"),
         recompute=_recompute_cartpole,
-        vector_entry_point=True,
+        vector_class=CartPoleVectorEnv,
         bounds={"masscart": (0.0, None, False), "masspole": (0.0, None, False), "length": (0.0, None, False)},
     ),
     "Acrobot-v1": VariantSpec(
         attributes=("LINK_LENGTH_1", "LINK_LENGTH_2", "LINK_MASS_1", "LINK_MASS_2"),
+        vector_class=AcrobotVectorEnv,
         bounds={name: (0.0, None, False) for name in ("LINK_LENGTH_1", "LINK_LENGTH_2", "LINK_MASS_1", "LINK_MASS_2")},
     ),
     "LunarLander-v3": VariantSpec(
@@ -137,6 +141,11 @@ def make_vector_variant(env_id: str, params: Mapping[str, Any], num_envs: int, *
     if int(num_envs) != num_envs or num_envs < 1:
         raise ValidationError("num_envs", f"must be a positive integer, got {num_envs!r}")
     spec, values = _check_params(env_id, params, make_kwargs, per_env=int(num_envs))
+    if spec.vector_class is not None:
+        arguments = {k: v for k, v in values.items() if k in spec.make_arguments}
+        env = spec.vector_class(num_envs=int(num_envs), **arguments, **make_kwargs)
+        _set_attributes(env, spec, values)
+        return env
     if spec.vector_entry_point:
         arguments = {k: v for k, v in values.items() if k in spec.make_arguments}
         env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **arguments, **make_kwargs)
