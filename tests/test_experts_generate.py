@@ -14,7 +14,7 @@ from dporl.experts.analytic import (
 )
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.generate import GenerationConfig, RayConfig, _keep_best, generate_experts
-from dporl.experts.ppo import PPOConfig, _gae, train_ppo
+from dporl.experts.ppo import PPOConfig, gae, train_ppo
 from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
 
@@ -106,7 +106,7 @@ def test_gae_matches_hand_computation():
     rewards = torch.tensor([[1.0], [1.0], [1.0]])
     values = torch.zeros(3, 1)
     dones = torch.tensor([[0.0], [1.0], [0.0]])
-    advantages = _gae(rewards, values, dones, torch.tensor([10.0]), gamma=0.5, lam=1.0)
+    advantages = gae(rewards, values, dones, torch.tensor([10.0]), gamma=0.5, lam=1.0)
     # t=2 bootstraps from the last value: 1 + 0.5 * 10; t=1 ends an episode: 1; t=0: 1 + 0.5 * 1 * A_1.
     torch.testing.assert_close(advantages[:, 0], torch.tensor([1.5, 1.0, 6.0]))
 

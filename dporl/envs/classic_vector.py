@@ -74,6 +74,8 @@ def _vector_reset_seed(seed: int | Sequence[int] | None) -> int | None:
 class CartPoleVectorEnv(_GymCartPoleVectorEnv):
     """Gymnasium's batched CartPole with one reset stream per sub-environment (see the module docstring)."""
 
+    per_sub_env_seeds = True  # reset(seed=[...]) takes one seed per sub-env
+
     def reset(self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None):
         self._streams = SubEnvStreams(self.num_envs, seed)
         super().reset(seed=_vector_reset_seed(seed), options=options)  # sets bounds, counters; state replaced below
@@ -93,6 +95,7 @@ class AcrobotVectorEnv(VectorEnv):
     """``num_envs`` Acrobot-v1 systems advanced together (state ``[num_envs, 4]``: th1, th2, dth1, dth2)."""
 
     metadata = {"render_modes": [], "autoreset_mode": AutoresetMode.NEXT_STEP}
+    per_sub_env_seeds = True  # reset(seed=[...]) takes one seed per sub-env
 
     def __init__(self, num_envs: int = 1, max_episode_steps: int = 500, render_mode: str | None = None):
         if int(num_envs) != num_envs or num_envs < 1:

@@ -231,12 +231,17 @@ class ExpertSet(nn.Module):
 
 def sample_from_log_probs(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Inverse-CDF sampling of one action per row of ``log_probs[..., n_actions]`` (one uniform per row)."""
-    cdf = log_probs.exp().cumsum(dim=-1)
     # Drawn where the (secret, CPU) generator lives, then moved: a CPU generator cannot fill an accelerator tensor.
-    uniform = torch.rand(cdf.shape[:-1], generator=generator, dtype=cdf.dtype, device=generator.device)
-    uniform = uniform.to(cdf.device).unsqueeze(-1)
+    uniform = torch.rand(log_probs.shape[:-1], generator=generator, dtype=log_probs.dtype, device=generator.device)
+    return sample_with_uniforms(log_probs, uniform)
+
+
+def sample_with_uniforms(log_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row r of ``log_probs[..., n_actions]`` takes its action from ``uniforms[r]`` in [0, 1)."""
+    cdf = log_probs.exp().cumsum(dim=-1)
+    uniforms = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(-1)
     # Scale by the total so float rounding in the cumulative sum never leaves mass past the last action.
-    actions = (cdf < uniform * cdf[..., -1:]).sum(dim=-1)
+    actions = (cdf < uniforms * cdf[..., -1:]).sum(dim=-1)
     return actions.clamp_(max=log_probs.shape[-1] - 1)
 
 

@@ -1,14 +1,26 @@
-"""Compact discrete-action PPO (Schulman et al. 2017), used to train the paper's experts on physics variants.
+"""Compact discrete-action PPO (Schulman et al. 2017) for ONE expert: the reference for the batched trainer.
 
 Clipped surrogate objective, GAE(lambda) advantages (normalised per minibatch), clipped value loss, entropy bonus,
 global gradient-norm clipping, linear learning-rate annealing, separate actor and critic MLPs with orthogonal
-initialisation (the CleanRL recipe). The ``n_envs`` copies run in one vector env (numpy-batched for CartPole and
-HIV) in next-step autoreset mode: the pseudo-step that resets a finished sub-env is masked out; an episode cut off by
-its time limit is bootstrapped with the critic's value of its true final observation (truncation is not termination).
+initialisation (the CleanRL recipe). The ``n_envs`` copies run in one vector env in next-step autoreset mode: the
+pseudo-step that resets a finished sub-env is masked out of the loss; an episode cut off by its time limit is
+bootstrapped with the critic's value of its true final observation (truncation is not termination).
 
-All randomness comes from one ``torch.Generator`` and the env seeds derived from ``seed`` (no global RNG), and the
-training runs single-threaded, so a (setting, seed) pair gives the same actor in-process and in a Ray worker.
-The actor is an ``nn.Sequential(Linear, act, ..., Linear)`` of logits, ready for ``StackedMLPPolicy.from_single``.
+``dporl.experts.batched_ppo`` trains thousands of experts as one stacked model and must give, expert by expert, what
+``train_ppo`` gives (tested). That fixes a randomness protocol both follow, a function of the expert's seed only:
+
+- a ``torch.Generator`` seeded with ``seed`` draws the actor's and then the critic's initial weights;
+- sub-env j of the expert's ``n_envs`` is reset with seed ``expert_env_seeds(seed, n_envs)[j]`` (each sub-env owns
+  its stream: ``dporl.envs.classic_vector``, Gymnasium's Sync/Async vector envs);
+- every update draws ONE block of uniforms from the generator (``update_uniforms``): ``n_steps * n_envs`` for the
+  rollout's actions (inverse-CDF sampling), then ``update_epochs * n_steps * n_envs`` sort keys that order the
+  rollout's rows into minibatches (``minibatch_bounds``), epoch by epoch;
+- minibatches are fixed slices of that order over ALL rows; the reset pseudo-steps are masked (a minibatch with fewer
+  than two valid rows is skipped: no optimiser step).
+
+Training runs single-threaded, so a (setting, seed) pair gives the same actor in-process, in a Ray worker or inside a
+batch. The actor is an ``nn.Sequential(Linear, act, ..., Linear)`` of logits, ready for
+``StackedMLPPolicy.from_single``. This path (one process per expert) is the benchmark's baseline.
 """
 
 from __future__ import annotations
@@ -22,13 +34,14 @@ import torch
 from torch import nn
 
 from dporl.experts.collect import make_vector_env
-from dporl.experts.expert_set import sample_from_log_probs
+from dporl.experts.expert_set import sample_with_uniforms
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
 @dataclass
 class PPOConfig:
-    """Defaults: CleanRL's classic-control PPO. The paper's actors are (512, 256, 64); HIV (512,)."""
+    """Defaults: CleanRL's classic-control PPO with (64, 64) networks. The paper's actors are (512, 256, 64); HIV
+    (512,): set ``actor_hidden_sizes`` / ``critic_hidden_sizes`` for them."""
 
     actor_hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
     critic_hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
@@ -95,8 +108,28 @@ def build_mlp(in_dim: int, hidden_sizes: list[int], out_dim: int, activation: st
 @dataclass
 class PPOResult:
     actor: nn.Sequential
+    critic: nn.Sequential
     episode_returns: list[float]  # training episodes' returns, in completion order
     timesteps: int
+
+
+def expert_env_seeds(seed: int, n_envs: int) -> list[int]:
+    """The reset seeds of an expert's ``n_envs`` sub-environments (a function of its seed only)."""
+    return [int(s) for s in np.random.SeedSequence([int(seed), 0x5EED]).generate_state(n_envs)]
+
+
+def update_uniforms(generator: torch.Generator, config: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One update's uniforms: action draws [n_steps, n_envs] and minibatch sort keys [update_epochs, rows]."""
+    rows = config.batch_size
+    block = torch.rand(rows * (1 + config.update_epochs), generator=generator)
+    return block[:rows].view(config.n_steps, config.n_envs), block[rows:].view(config.update_epochs, rows)
+
+
+def minibatch_bounds(rows: int, n_minibatches: int) -> list[tuple[int, int]]:
+    """[start, stop) of each minibatch in a row order (``torch.tensor_split`` sizes: the first ones one larger)."""
+    sizes = [len(chunk) for chunk in torch.arange(rows).tensor_split(n_minibatches)]
+    stops = np.cumsum(sizes).tolist()
+    return [(stop - size, stop) for size, stop in zip(sizes, stops) if size > 0]
 
 
 def train_ppo(
@@ -108,12 +141,8 @@ def train_ppo(
     max_episode_steps: int,
     env_kwargs: Mapping[str, Any] | None = None,
 ) -> PPOResult:
-    """Train one actor on ``config.n_envs`` copies of physics ``setting`` ({} = default); deterministic given seed.
-
-    The copies form one batched vector env where the environment has one (CartPole, HIV: numpy over sub-envs),
-    a ``SyncVectorEnv`` otherwise.
-    """
-    generator = torch.Generator().manual_seed(seed)
+    """Train one actor on ``config.n_envs`` copies of physics ``setting`` ({} = default); deterministic given seed."""
+    generator = torch.Generator().manual_seed(int(seed))
     envs = make_vector_env(env_id, config.n_envs, max_episode_steps, [dict(setting)] * config.n_envs, env_kwargs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per expert; also makes results independent of the host's thread count
@@ -122,6 +151,18 @@ def train_ppo(
     finally:
         torch.set_num_threads(threads)
         envs.close()
+
+
+def reset_seeded(envs: gym.vector.VectorEnv, seeds: list[int]) -> np.ndarray:
+    """Reset with one seed per sub-env where the vector env keeps per-sub-env streams, else with one derived seed
+    (the HIV simulator: one stream, used only by its efficacy noise)."""
+    base = envs.unwrapped
+    if isinstance(base, (gym.vector.SyncVectorEnv, gym.vector.AsyncVectorEnv)) or getattr(base, "per_sub_env_seeds",
+                                                                                           False):
+        obs, _ = envs.reset(seed=seeds)
+    else:
+        obs, _ = envs.reset(seed=int(np.random.SeedSequence(seeds).generate_state(1)[0]))
+    return np.asarray(obs)
 
 
 def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: torch.Generator) -> PPOResult:
@@ -143,8 +184,7 @@ def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: 
     values_buf = torch.zeros(n_steps, n_envs)
     valid_buf = torch.zeros(n_steps, n_envs, dtype=torch.bool)
 
-    obs, _ = envs.reset(seed=seed)
-    obs = torch.as_tensor(np.asarray(obs), dtype=torch.float32).reshape(n_envs, -1)
+    obs = torch.as_tensor(reset_seeded(envs, expert_env_seeds(seed, n_envs)), dtype=torch.float32).reshape(n_envs, -1)
     # Next-step autoreset: the step after an episode ends only resets that sub-env (action ignored, no reward);
     # that pseudo-transition is masked out of the loss and cut off from the episode before it (done = 1 there).
     resetting = np.zeros(n_envs, dtype=bool)
@@ -154,10 +194,11 @@ def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: 
     for update in range(n_updates):
         if config.anneal_lr:
             optimizer.param_groups[0]["lr"] = config.learning_rate * (1.0 - update / n_updates)
+        action_uniforms, sort_keys = update_uniforms(generator, config)
         for t in range(n_steps):
             with torch.no_grad():
                 log_probs = torch.log_softmax(actor(obs), dim=-1)
-                action = sample_from_log_probs(log_probs, generator)
+                action = sample_with_uniforms(log_probs, action_uniforms[t])
                 values_buf[t] = critic(obs).squeeze(-1)
             obs_buf[t], actions_buf[t] = obs, action
             log_probs_buf[t] = log_probs.gather(1, action[:, None]).squeeze(1)
@@ -182,18 +223,18 @@ def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: 
             resetting = done
             obs = next_obs
         with torch.no_grad():
-            advantages = _gae(rewards_buf, values_buf, dones_buf, critic(obs).squeeze(-1), config.gamma,
-                              config.gae_lambda)
-        valid = valid_buf.reshape(-1)
-        _update(actor, critic, optimizer, params, config, generator, obs_buf.reshape(-1, obs_dim)[valid],
-                actions_buf.reshape(-1)[valid], log_probs_buf.reshape(-1)[valid], advantages.reshape(-1)[valid],
-                (advantages + values_buf).reshape(-1)[valid], values_buf.reshape(-1)[valid])
+            advantages = gae(rewards_buf, values_buf, dones_buf, critic(obs).squeeze(-1), config.gamma,
+                             config.gae_lambda)
+        _update(actor, critic, optimizer, params, config, sort_keys, obs_buf.reshape(-1, obs_dim),
+                actions_buf.reshape(-1), log_probs_buf.reshape(-1), advantages.reshape(-1),
+                (advantages + values_buf).reshape(-1), values_buf.reshape(-1), valid_buf.reshape(-1))
     actor.requires_grad_(False)
-    return PPOResult(actor, finished, n_updates * config.batch_size)
+    critic.requires_grad_(False)
+    return PPOResult(actor, critic, finished, n_updates * config.batch_size)
 
 
-def _gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_value: torch.Tensor, gamma: float,
-         lam: float) -> torch.Tensor:
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_value: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:
     """GAE over [T, n_envs]; ``dones[t]`` stops bootstrapping from step t+1 (the next obs starts a new episode)."""
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(last_value)
@@ -207,25 +248,46 @@ def _gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_
     return advantages
 
 
-def _update(actor, critic, optimizer, params, config: PPOConfig, generator, obs, actions, old_log_probs, advantages,
-            returns, old_values) -> None:
-    rows = len(actions)  # valid transitions of this rollout (reset steps removed)
-    for _ in range(config.update_epochs):
-        order = torch.randperm(rows, generator=generator)
-        for index in order.tensor_split(config.n_minibatches):
+def ppo_losses(config: PPOConfig, log_probs: torch.Tensor, actions: torch.Tensor, old_log_probs: torch.Tensor,
+               advantages: torch.Tensor, value: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """Per-expert PPO loss [E] of minibatches with a leading expert dimension: log_probs [E, b, A], the rest [E, b].
+
+    Means (and the advantage normalisation's mean and unbiased std) run over the rows where ``mask`` is True; masked
+    rows never touch the result (``torch.where``, so even a non-finite masked value cannot leak in).
+    """
+    count = mask.sum(dim=1).clamp(min=1)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, x, 0.0).sum(dim=1) / count
+
+    new_log_prob = log_probs.gather(2, actions.unsqueeze(2)).squeeze(2)
+    ratio = (new_log_prob - old_log_probs).exp()
+    centred = advantages - mean(advantages).unsqueeze(1)
+    std = (torch.where(mask, centred, 0.0).square().sum(dim=1) / (count - 1).clamp(min=1)).sqrt()
+    adv = centred / (std.unsqueeze(1) + 1e-8)
+    policy_loss = mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)))
+    clipped = old_values + (value - old_values).clamp(-config.clip_coef, config.clip_coef)
+    value_loss = 0.5 * mean(torch.max((value - returns) ** 2, (clipped - returns) ** 2))
+    entropy = mean(-(log_probs.exp() * log_probs).sum(-1))
+    return policy_loss + config.value_coef * value_loss - config.entropy_coef * entropy
+
+
+def _update(actor, critic, optimizer, params, config: PPOConfig, sort_keys, obs, actions, old_log_probs, advantages,
+            returns, old_values, valid) -> None:
+    for epoch in range(config.update_epochs):
+        order = torch.argsort(sort_keys[epoch], stable=True)
+        for start, stop in minibatch_bounds(len(order), config.n_minibatches):
+            index = order[start:stop]
+            index = index[valid[index]]  # the masked rows of the batched trainer, dropped
             if len(index) < 2:
                 continue
-            log_probs = torch.log_softmax(actor(obs[index]), dim=-1)
-            new_log_prob = log_probs.gather(1, actions[index, None]).squeeze(1)
-            ratio = (new_log_prob - old_log_probs[index]).exp()
-            adv = advantages[index]
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - config.clip_coef, 1 + config.clip_coef)).mean()
-            value = critic(obs[index]).squeeze(-1)
-            clipped = old_values[index] + (value - old_values[index]).clamp(-config.clip_coef, config.clip_coef)
-            value_loss = 0.5 * torch.max((value - returns[index]) ** 2, (clipped - returns[index]) ** 2).mean()
-            entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-            loss = policy_loss + config.value_coef * value_loss - config.entropy_coef * entropy
+            log_probs = torch.log_softmax(actor(obs[index]), dim=-1).unsqueeze(0)
+            value = critic(obs[index]).squeeze(-1).unsqueeze(0)
+            picked, picked_old, adv, ret, old_value = (t[index].unsqueeze(0) for t in (
+                actions, old_log_probs, advantages, returns, old_values))
+            loss = ppo_losses(config, log_probs, picked, picked_old, adv, value, ret, old_value,
+                              torch.ones_like(picked, dtype=torch.bool))[0]
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(params, config.max_grad_norm)
