@@ -132,8 +132,10 @@ def test_ray_and_local_paths_give_the_same_experts():
     config.ray = RayConfig(enabled=True, num_cpus=2)
     distributed = generate_experts(config, settings=[{}, {}], progress=False)
     assert not ray.is_initialized()  # the run shut down the instance it started
+    # Ray workers run one torch thread, the local path the host's count: matmul reductions may round differently
+    # (~1e-8 here), nothing more.
     for name, tensor in local.policy.state_dict().items():
-        torch.testing.assert_close(distributed.policy.state_dict()[name], tensor, rtol=0, atol=0)
+        torch.testing.assert_close(distributed.policy.state_dict()[name], tensor, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(local.candidate_returns, distributed.candidate_returns)
     # Two settings with different seeds give different actors.
     assert not torch.equal(local.policy.weights[0][0], local.policy.weights[0][1])

@@ -112,22 +112,18 @@ def train_ppo_batched(
     max_episode_steps: int,
     env_kwargs: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
-    vector_env: gym.vector.VectorEnv | None = None,
+    env_workers: int = 1,
     progress: bool = False,
 ) -> BatchedPPOResult:
     """Train expert e on physics ``settings[e]`` with seed ``seeds[e]``; expert e equals ``train_ppo(env_id,
-    settings[e], config, seeds[e], ...)``. ``vector_env`` (optional): an env of ``E * n_envs`` sub-envs built by the
-    caller (e.g. ``dporl.experts.process_env.ProcessVectorEnv`` for Box2D); it is not closed here."""
+    settings[e], config, seeds[e], ...)``. ``env_workers > 1`` steps the sub-envs in that many processes (Box2D)."""
     n_experts = len(seeds)
     if n_experts < 1 or len(settings) != n_experts:
         raise ValidationError("settings", f"need one setting per seed, got {len(settings)} settings, {n_experts} seeds")
     n_envs, n_steps = config.n_envs, config.n_steps
     device = torch.device(device)
-    owned = vector_env is None
-    envs = vector_env if vector_env is not None else make_vector_env(
-        env_id, n_experts * n_envs, max_episode_steps, [dict(s) for s in settings for _ in range(n_envs)], env_kwargs)
-    if envs.num_envs != n_experts * n_envs:
-        raise ValidationError("vector_env", f"needs {n_experts * n_envs} sub-envs, has {envs.num_envs}")
+    envs = make_vector_env(env_id, n_experts * n_envs, max_episode_steps,
+                           [dict(s) for s in settings for _ in range(n_envs)], env_kwargs, env_workers)
     try:
         space = envs.single_action_space
         if not isinstance(space, gym.spaces.Discrete):
@@ -139,8 +135,7 @@ def train_ppo_batched(
         obs = reset_seeded(envs, [s for seed in seeds for s in expert_env_seeds(seed, n_envs)])
         trainer.run(obs, progress, f"batched PPO ({env_id}, {n_experts} experts)")
     finally:
-        if owned:
-            envs.close()
+        envs.close()
     actor.requires_grad_(False)
     critic.requires_grad_(False)
     recent = np.where(trainer.last_count > 0, trainer.last_sum / np.maximum(trainer.last_count, 1), np.nan)

@@ -28,6 +28,7 @@ from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 from dporl.envs.variants import HIV_ID, VARIANT_SPECS, make_variant, make_vector_variant, physics_of
 from dporl.experts.expert_set import ExpertSet, sample_from_log_probs
 from dporl.experts.policies import StackedPolicy
+from dporl.experts.process_env import ProcessVectorEnv
 from dporl.utils.validation import ValidationError
 
 # act(observations [n_slots, d] float32) -> (actions [n_slots] int64, log_probs [n_slots] float32 or None)
@@ -73,14 +74,18 @@ def make_vector_env(
     max_episode_steps: int,
     params: Sequence[Mapping[str, Any]] | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
+    workers: int = 1,
 ) -> gym.vector.VectorEnv:
     """Vector env of ``num_envs`` copies of ``env_id`` in next-step autoreset mode.
 
     ``params``: one physics dict per sub-env (None = default physics everywhere). Built by
     ``dporl.envs.variants.make_vector_variant``, which uses the numpy-batched vector envs where they exist (CartPole,
-    HIV: physics as arrays over sub-envs) and a ``SyncVectorEnv`` otherwise. ``env_kwargs`` go to every make call
-    (e.g. the HIV treatment interval).
+    Acrobot, HIV: physics as arrays over sub-envs) and a ``SyncVectorEnv`` otherwise. ``env_kwargs`` go to every make
+    call (e.g. the HIV treatment interval). ``workers > 1``: the sub-envs step in that many processes
+    (``ProcessVectorEnv``; worth it for Box2D LunarLander, whose envs step in Python).
     """
+    if workers > 1 and num_envs > 1:
+        return ProcessVectorEnv(env_id, num_envs, max_episode_steps, params, env_kwargs, workers=workers)
     kwargs = {**time_limit_kwargs(env_id, max_episode_steps), **dict(env_kwargs or {})}
     if params is None or not any(params):
         if env_id in VARIANT_SPECS:
@@ -188,6 +193,7 @@ def collect(
     env_params: Mapping[str, Any] | None = None,
     env_kwargs: Mapping[str, Any] | None = None,
     experts_per_chunk: int = 1000,
+    workers: int = 1,
     progress: bool = True,
     extra: Mapping[str, Any] | None = None,
 ) -> TrajectoryDataset:
@@ -220,7 +226,7 @@ def collect(
             env_seed, action_seed = np.random.SeedSequence([seed, index]).generate_state(2)
             generator = torch.Generator().manual_seed(int(action_seed))
             vector_env = make_vector_env(env_id, count * n, max_episode_steps,
-                                         [env_params] * (count * n) if env_params else None, env_kwargs)
+                                         [env_params] * (count * n) if env_params else None, env_kwargs, workers)
             try:
                 space = vector_env.single_action_space
                 if not isinstance(space, gym.spaces.Discrete) or space.n != expert_set.n_actions:
@@ -275,6 +281,7 @@ def evaluate_policies(
     *,
     env_kwargs: Mapping[str, Any] | None = None,
     experts_per_chunk: int = 256,
+    workers: int = 1,
     progress: bool = False,
 ) -> np.ndarray:
     """Mean greedy return [m] of each expert i over ``episodes`` episodes on physics ``settings[i]``.
@@ -291,7 +298,7 @@ def evaluate_policies(
         chunk = slice(start, min(start + experts_per_chunk, policy.n_experts))
         count = chunk.stop - chunk.start
         slot_settings = [settings[i] for i in range(chunk.start, chunk.stop) for _ in range(episodes)]
-        vector_env = make_vector_env(env_id, count * episodes, max_episode_steps, slot_settings, env_kwargs)
+        vector_env = make_vector_env(env_id, count * episodes, max_episode_steps, slot_settings, env_kwargs, workers)
 
         def act(obs: torch.Tensor, chunk=chunk, count=count) -> tuple[torch.Tensor, None]:
             with torch.no_grad():

@@ -3,14 +3,16 @@
 The paper's protocol (spec/expert_level.md, "Experiments to reproduce"): for each of 1000 physics settings (10 values
 of 3 parameters) train PPO experts and keep the best 3 on that setting: 3000 experts. Here:
 
-- ``family="ppo"``: ``candidates_per_setting`` PPO actors per setting (``dporl.experts.ppo``), scored by their
-  greedy return over ``eval_episodes`` episodes ON THAT SETTING; the best ``keep_best`` survive. One setting is one
-  unit of work: run in-process (``ray.enabled: false``, for tests and tiny runs) or as one Ray task per setting
-  (``ray.init()`` locally by default, ``ray.address`` to join a cluster, ``ray.num_cpus`` to cap local cores).
-  Every candidate's seed is derived from ``(seed, setting index, candidate index)`` and training is single-threaded,
-  so both paths give the same experts.
-- ``family="analytic"``: the cheap stand-ins of ``dporl.experts.analytic`` (milliseconds, no Ray), selected the
-  same way.
+- ``family="ppo"``: ``candidates_per_setting`` PPO actors per setting, scored by their greedy return over
+  ``eval_episodes`` episodes ON THAT SETTING; the best ``keep_best`` survive. Candidates train as one batched model
+  (``dporl.experts.batched_ppo``) in chunks of ``batch_experts`` (memory; the experts do not depend on it), in-process
+  by default or one Ray task per chunk (``ray.enabled``: ``ray.init()`` locally, ``ray.address`` to join a cluster,
+  for when one machine is outgrown). Box2D (LunarLander) sub-envs step in ``env_workers`` processes. Every
+  candidate's seed is derived from ``(seed, setting index, candidate index)`` and batched training equals
+  per-expert training (``dporl.experts.ppo.train_ppo``, one process per expert, kept as the reference and the
+  benchmark's baseline), so every path gives the same experts.
+- ``family="analytic"``: the cheap stand-ins of ``dporl.experts.analytic`` (LQR, energy pumping, the lander
+  heuristic with varied gains, a switching rule), selected the same way.
 
 Settings come from ``dporl.envs.variants.physics_grid`` (``points_per_axis`` values per parameter over the paper's
 ranges), optionally subsampled to ``n_settings`` with the seed. Experts are ordered setting-major, best first.
@@ -27,9 +29,10 @@ from tqdm.auto import tqdm
 
 from dporl.envs.variants import physics_grid
 from dporl.experts.analytic import analytic_experts
+from dporl.experts.batched_ppo import train_ppo_batched
 from dporl.experts.collect import evaluate_policies
 from dporl.experts.policies import StackedMLPPolicy, StackedPolicy
-from dporl.experts.ppo import PPOConfig, train_ppo
+from dporl.experts.ppo import PPOConfig
 from dporl.utils.config import to_dict
 from dporl.utils.validation import ValidationError
 
@@ -55,10 +58,14 @@ class GenerationConfig:
     seed: int = 0
     logit_scale: float = 1.0  # analytic family: logit = logit_scale * control signal (matters only without argmax)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    batch_experts: int = 1000  # PPO candidates trained together as one batched model (bounds memory only)
+    env_workers: int = 1  # > 1: sub-envs step in this many processes (Box2D LunarLander; numpy envs need none)
+    device: str = "cpu"  # where the batched PPO model trains ("cuda" if available); envs stay on the CPU
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
-        for name in ("candidates_per_setting", "keep_best", "eval_episodes", "max_episode_steps"):
+        for name in ("candidates_per_setting", "keep_best", "eval_episodes", "max_episode_steps", "batch_experts",
+                     "env_workers"):
             if getattr(self, name) < 1:
                 raise ValidationError(f"experts.{name}", f"must be >= 1, got {getattr(self, name)}")
         if self.keep_best > self.candidates_per_setting:
@@ -79,6 +86,8 @@ class GeneratedExperts:
     setting_index: np.ndarray  # [m] setting of each survivor
     eval_returns: np.ndarray  # [m] its greedy return on its setting
     candidate_returns: np.ndarray  # [n_settings, candidates_per_setting] every candidate's return
+    # PPO: [n_settings, candidates_per_setting] mean return of each candidate's last training episodes (nan: none)
+    candidate_train_returns: Optional[np.ndarray] = None
 
     def info(self, config: GenerationConfig) -> dict[str, Any]:
         """JSON-safe provenance for ``ExpertSet.info`` (per-expert lists are kept aligned by ``ExpertSet.select``)."""
@@ -87,11 +96,20 @@ class GeneratedExperts:
             "generation": to_dict(config),
             "settings": self.settings,
             "candidate_return_mean": float(self.candidate_returns.mean()),
+            "candidate_return_quantiles": _quantiles(self.candidate_returns),
+            "kept_return_quantiles": _quantiles(self.eval_returns),
             "per_expert": {
                 "setting_index": self.setting_index.tolist(),
                 "eval_return": [float(r) for r in self.eval_returns],
             },
         }
+
+
+def _quantiles(values: np.ndarray) -> dict[str, float]:
+    """Min, 10/25/50/75/90 % quantiles and max of finite values (JSON-safe)."""
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    points = {"min": 0, "q10": 10, "q25": 25, "median": 50, "q75": 75, "q90": 90, "max": 100}
+    return {name: float(np.percentile(values, q)) for name, q in points.items()}
 
 
 def physics_settings(config: GenerationConfig) -> list[dict]:
@@ -126,9 +144,16 @@ def _keep_best(returns: np.ndarray, keep: int) -> np.ndarray:
 def _generate_analytic(config: GenerationConfig, settings: list[dict], progress: bool) -> GeneratedExperts:
     candidates, _ = analytic_experts(config.env_id, settings, config.candidates_per_setting, config.seed,
                                      config.logit_scale)
+    return _select_best(config, settings, candidates, progress)
+
+
+def _select_best(config: GenerationConfig, settings: list[dict], candidates: StackedPolicy,
+                 progress: bool) -> GeneratedExperts:
+    """Score every candidate greedily on its own setting; keep each setting's best ``keep_best`` (best first)."""
     per_candidate = [s for s in settings for _ in range(config.candidates_per_setting)]
     returns = evaluate_policies(candidates, config.env_id, per_candidate, config.eval_episodes,
-                                config.max_episode_steps, config.seed, env_kwargs=config.env_kwargs, progress=progress)
+                                config.max_episode_steps, config.seed, env_kwargs=config.env_kwargs,
+                                workers=config.env_workers, progress=progress)
     returns = returns.reshape(len(settings), config.candidates_per_setting)
     keep = _keep_best(returns, config.keep_best)
     return GeneratedExperts(
@@ -140,60 +165,56 @@ def _generate_analytic(config: GenerationConfig, settings: list[dict], progress:
     )
 
 
-def train_setting(env_id: str, setting: dict, setting_index: int, config: GenerationConfig) -> dict[str, Any]:
-    """One unit of work: train the candidates of one setting, score them there, return the best ``keep_best``.
+def candidate_seeds(config: GenerationConfig, n_settings: int) -> list[int]:
+    """Seed of candidate c of setting s at position s * candidates_per_setting + c: from (seed, s, c) only."""
+    return [int(np.random.SeedSequence([config.seed, s, c]).generate_state(1)[0])
+            for s in range(n_settings) for c in range(config.candidates_per_setting)]
 
-    A plain function (no closures) so Ray can ship it; returns tensors and numbers only.
+
+def train_chunk(config: GenerationConfig, settings: list[dict], seeds: list[int], progress: bool = False) -> dict:
+    """One unit of work: train candidates ``seeds`` on ``settings`` (one each) as one batched model.
+
+    A plain function (no closures) so Ray can ship it; returns plain tensors and arrays. Batched training gives every
+    candidate what it would get alone (``dporl.experts.batched_ppo``), so chunking and placement do not change
+    the experts.
     """
-    actors = []
-    for candidate in range(config.candidates_per_setting):
-        seed = int(np.random.SeedSequence([config.seed, setting_index, candidate]).generate_state(1)[0])
-        actors.append(train_ppo(env_id, setting, config.ppo, seed, max_episode_steps=config.max_episode_steps,
-                                env_kwargs=config.env_kwargs).actor)
-    candidates = StackedMLPPolicy.from_single(actors)
-    eval_seed = int(np.random.SeedSequence([config.seed, setting_index, 2**31]).generate_state(1)[0])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        returns = evaluate_policies(candidates, env_id, [setting] * len(actors), config.eval_episodes,
-                                    config.max_episode_steps, eval_seed, env_kwargs=config.env_kwargs)
-    finally:
-        torch.set_num_threads(threads)
-    keep = _keep_best(returns[None, :], config.keep_best)
-    survivors = candidates.select(torch.as_tensor(keep))
-    return {"config": survivors.config(), "state_dict": survivors.state_dict(), "returns": returns.tolist()}
+    result = train_ppo_batched(config.env_id, settings, config.ppo, seeds, max_episode_steps=config.max_episode_steps,
+                               env_kwargs=config.env_kwargs, device=config.device, env_workers=config.env_workers,
+                               progress=progress)
+    return {"config": result.actor.config(), "state_dict": result.actor.state_dict(),
+            "train_returns": result.recent_returns}
 
 
 def _generate_ppo(config: GenerationConfig, settings: list[dict], progress: bool) -> GeneratedExperts:
-    results: list[dict[str, Any] | None] = [None] * len(settings)
-    bar = tqdm(total=len(settings), desc=f"PPO experts ({config.env_id})", unit="setting", disable=not progress)
+    per_candidate = [s for s in settings for _ in range(config.candidates_per_setting)]
+    seeds = candidate_seeds(config, len(settings))
+    chunks = [slice(start, min(start + config.batch_experts, len(seeds)))
+              for start in range(0, len(seeds), config.batch_experts)]
+    results: list[dict[str, Any] | None] = [None] * len(chunks)
+    bar = tqdm(total=len(seeds), desc=f"PPO candidates ({config.env_id}, batched)", unit="expert",
+               disable=not progress)
     with bar:
         if config.ray.enabled:
-            for index, result in _run_on_ray(config, settings):
+            for index, result in _run_on_ray(config, [(per_candidate[c], seeds[c]) for c in chunks]):
                 results[index] = result
-                bar.update(1)
+                bar.update(chunks[index].stop - chunks[index].start)
         else:
-            for index, setting in enumerate(settings):
-                results[index] = train_setting(config.env_id, setting, index, config)
-                bar.update(1)
+            for index, chunk in enumerate(chunks):
+                results[index] = train_chunk(config, per_candidate[chunk], seeds[chunk], progress=progress)
+                bar.update(chunk.stop - chunk.start)
     policies = []
     for result in results:
         policy = StackedMLPPolicy(**result["config"])
         policy.load_state_dict(result["state_dict"])
         policies.append(policy)
-    returns = np.array([result["returns"] for result in results])
-    keep = _keep_best(returns, config.keep_best)
-    return GeneratedExperts(
-        policy=StackedMLPPolicy.concatenate(policies),
-        settings=settings,
-        setting_index=keep // config.candidates_per_setting,
-        eval_returns=returns.reshape(-1)[keep],
-        candidate_returns=returns,
-    )
+    generated = _select_best(config, settings, StackedMLPPolicy.concatenate(policies), progress)
+    generated.candidate_train_returns = np.concatenate([r["train_returns"] for r in results]).reshape(
+        len(settings), config.candidates_per_setting)
+    return generated
 
 
-def _run_on_ray(config: GenerationConfig, settings: list[dict]):
-    """Yield (setting index, result) as Ray tasks finish (one task and one CPU per setting)."""
+def _run_on_ray(config: GenerationConfig, chunks: list[tuple[list[dict], list[int]]]):
+    """Yield (chunk index, result) as Ray tasks finish (one task and one CPU per chunk of candidates)."""
     try:
         import ray
     except ImportError:
@@ -205,9 +226,10 @@ def _run_on_ray(config: GenerationConfig, settings: list[dict]):
         else:
             ray.init(address=config.ray.address, logging_level="WARNING")
     try:
-        task = ray.remote(num_cpus=1)(train_setting)
+        task = ray.remote(num_cpus=max(1, config.env_workers))(train_chunk)
         config_ref = ray.put(config)
-        pending = {task.remote(config.env_id, s, i, config_ref): i for i, s in enumerate(settings)}
+        pending = {task.remote(config_ref, chunk_settings, chunk_seeds): i
+                   for i, (chunk_settings, chunk_seeds) in enumerate(chunks)}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
