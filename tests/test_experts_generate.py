@@ -44,7 +44,7 @@ def test_cartpole_gains_depend_on_physics_and_policies_act_on_the_sign():
     acrobot, _ = acrobot_pumping_experts(SETTINGS, 3, seed=0)
     assert acrobot.n_experts == 6 and acrobot.n_actions == 3
     with pytest.raises(ValidationError, match="env_id"):
-        analytic_experts("LunarLander-v3", SETTINGS, 1, seed=0)
+        analytic_experts("MountainCar-v0", SETTINGS, 1, seed=0)
 
 
 def test_hiv_rule_gives_both_drugs_above_the_switch_point_and_rti_below():

@@ -1,14 +1,15 @@
-"""Cheap analytic expert families: linear state-feedback controllers with gains varied per expert and per setting.
+"""Cheap analytic expert families: hand-designed controllers with gains varied per expert and per setting.
 
 These are STAND-INS for the paper's PPO experts (spec/expert_level.md trains 3000 PPO actors per environment).
 They cost milliseconds instead of GPU-days, are deterministic given a seed, and behave like a pool of
 competent-but-different experts, which is what the stable-prefix release and expert-level DP-SGD consume. Measured
 quality is reported by the ``dataset`` pipeline (mean logged return) and in the EXPERTS report.
 
-Every family returns a ``StackedLinearPolicy`` whose logits are ``logit_scale * u(s) * c`` for a scalar control
-signal ``u(s) = k . s + k0`` and a fixed action code ``c`` (CartPole: [-1, +1] for push left/right; Acrobot:
-[-1, 0, +1] for torque -1/0/+1; HIV: [0, -1, 0, +1] over none/RTI/PI/both), so the sign of ``u`` picks the action. The ``"argmax"`` p_min softening of ``ExpertSet``
-only uses that argmax; ``logit_scale`` matters only for the raw softmax (``softening="none"``).
+Every family but LunarLander's returns a ``StackedLinearPolicy`` whose logits are ``logit_scale * u(s) * c`` for a
+scalar control signal ``u(s) = k . s + k0`` and a fixed action code ``c`` (CartPole: [-1, +1] for push left/right;
+Acrobot: [-1, 0, +1] for torque -1/0/+1; HIV: [0, -1, 0, +1] over none/RTI/PI/both), so the sign of ``u`` picks the
+action. The ``"argmax"`` p_min softening of ``ExpertSet`` only uses that argmax; ``logit_scale`` matters only for the
+raw softmax (``softening="none"``).
 
 - CartPole-v1: discrete-time LQR on the cart-pole linearised about the upright position, for each expert's physics
   setting (gravity, force_mag, masscart; other constants from Gymnasium's CartPole), with state weights Q drawn
@@ -22,8 +23,11 @@ only uses that argmax; ``logit_scale`` matters only for the raw softmax (``softe
   drugs throughout and 0.86e6 without treatment (measured). The drug costs R1, R2 of a setting do not enter; as for
   Acrobot, selection on the setting does.
 
-LunarLander's hand-written heuristic is piecewise (clipping, absolute values, leg-contact overrides) and not a linear
-policy, so there is no analytic LunarLander family: use PPO experts there.
+- LunarLander-v3: Gymnasium's heuristic lander controller (``gymnasium.envs.box2d.lunar_lander.heuristic``: aim
+  the angle at the pad, hover at a height proportional to the horizontal offset, damp the fall once a leg touches)
+  with its nine gains scaled by log-uniform factors in [1/LANDER_GAIN_SPREAD, LANDER_GAIN_SPREAD] and its two
+  engine thresholds drawn uniformly from LANDER_THRESHOLD_RANGE, per expert (``StackedLanderHeuristic``: piecewise,
+  not linear). Physics does not enter the gains; selection on the setting does, as for Acrobot.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from dporl.experts.policies import StackedLinearPolicy
+from dporl.experts.policies import LANDER_HEURISTIC_GAINS, StackedLanderHeuristic, StackedLinearPolicy, StackedPolicy
 from dporl.utils.validation import ValidationError
 
 # Gymnasium CartPole-v1 constants that the expert-level paper does not vary.
@@ -47,6 +51,9 @@ ACROBOT_GAIN_RANGES = ((0.0, 0.0), (0.0, 0.3), (0.0, 0.0), (-0.3, 0.0), (-0.2, 0
 # HIV observation = log10 (T1, T2, T1*, T2*, V, E); the switch point c of "both drugs while log V - log E > c".
 HIV_VIRUS, HIV_EFFECTORS = 4, 5
 HIV_SWITCH_RANGE = (0.0, 2.0)
+# LunarLander heuristic: each gain times a log-uniform factor in [1/spread, spread]; thresholds uniform in the range.
+LANDER_GAIN_SPREAD = 2.0
+LANDER_THRESHOLD_RANGE = (0.01, 0.2)
 
 
 def cartpole_linearisation(settings: Sequence[Mapping[str, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -154,17 +161,36 @@ def hiv_switching_experts(
     }
 
 
-AnalyticFamily = Callable[..., tuple[StackedLinearPolicy, dict[str, list]]]
+def lunar_lander_heuristic_experts(
+    settings: Sequence[Mapping[str, float]], experts_per_setting: int, seed: int, logit_scale: float = 1.0
+) -> tuple[StackedLanderHeuristic, dict[str, list]]:
+    """``experts_per_setting`` perturbed heuristic landers per setting; the settings only fix the count and order."""
+    rng = np.random.default_rng(seed)
+    count = len(settings) * experts_per_setting
+    names = list(LANDER_HEURISTIC_GAINS)
+    gains = np.tile(np.array([LANDER_HEURISTIC_GAINS[n] for n in names]), (count, 1))
+    thresholds = np.array([n.endswith("_threshold") for n in names])
+    log_spread = np.log(LANDER_GAIN_SPREAD)
+    gains[:, ~thresholds] *= np.exp(rng.uniform(-log_spread, log_spread, (count, int((~thresholds).sum()))))
+    gains[:, thresholds] = rng.uniform(*LANDER_THRESHOLD_RANGE, (count, int(thresholds.sum())))
+    return StackedLanderHeuristic.from_gains(torch.as_tensor(gains, dtype=torch.float32), logit_scale), {
+        "setting": np.repeat(np.arange(len(settings)), experts_per_setting).tolist(),
+        "gains": gains.round(6).tolist(),
+    }
+
+
+AnalyticFamily = Callable[..., tuple[StackedPolicy, dict[str, list]]]
 ANALYTIC_FAMILIES: dict[str, AnalyticFamily] = {
     "CartPole-v1": cartpole_lqr_experts,
     "Acrobot-v1": acrobot_pumping_experts,
+    "LunarLander-v3": lunar_lander_heuristic_experts,
     "dporl/HIVTreatment-v0": hiv_switching_experts,
 }
 
 
 def analytic_experts(
     env_id: str, settings: Sequence[Mapping[str, float]], experts_per_setting: int, seed: int, logit_scale: float = 1.0
-) -> tuple[StackedLinearPolicy, dict[str, list]]:
+) -> tuple[StackedPolicy, dict[str, list]]:
     """Dispatch to the analytic family of ``env_id``; returns the stacked policy and per-expert provenance."""
     if env_id not in ANALYTIC_FAMILIES:
         raise ValidationError("env_id", f"no analytic expert family for {env_id!r} (have: {sorted(ANALYTIC_FAMILIES)}); "

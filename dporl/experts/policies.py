@@ -258,3 +258,73 @@ class StackedLinearPolicy(StackedPolicy):
         weight = torch.stack([m.weight.detach().T for m in modules])
         bias = torch.stack([m.bias.detach() for m in modules])
         return cls.from_weights(weight, bias)
+
+
+# The gains and thresholds of Gymnasium's LunarLander heuristic (``gymnasium.envs.box2d.lunar_lander.heuristic``), in
+# the order of ``StackedLanderHeuristic``'s ``gains`` columns.
+LANDER_HEURISTIC_GAINS = {
+    "x_to_angle": 0.5,  # angle target = clip(x_to_angle * x + vx_to_angle * vx, +-angle_limit)
+    "vx_to_angle": 1.0,
+    "angle_limit": 0.4,
+    "x_to_hover": 0.55,  # hover target = x_to_hover * |x|
+    "angle_error": 0.5,  # angle_todo = angle_error * (target - angle) - angular_damping * angular velocity
+    "angular_damping": 1.0,
+    "hover_error": 0.5,  # hover_todo = hover_error * (target - y) - vertical_damping * vy
+    "vertical_damping": 0.5,
+    "contact_damping": 0.5,  # a leg touches: angle_todo = 0, hover_todo = -contact_damping * vy
+    "hover_threshold": 0.05,  # main engine if hover_todo > |angle_todo| and hover_todo > hover_threshold
+    "angle_threshold": 0.05,  # else left engine if angle_todo < -angle_threshold, right if > angle_threshold
+}
+
+
+@register_family
+class StackedLanderHeuristic(StackedPolicy):
+    """m copies of Gymnasium's LunarLander heuristic controller, each with its own gains and thresholds.
+
+    ``gains`` is [m, 11] in the order of ``LANDER_HEURISTIC_GAINS`` (its values reproduce Gymnasium's heuristic
+    exactly). The controller picks one action per state; the logits are ``logit_scale`` on that action and 0
+    elsewhere, so the ``"argmax"`` softening of ``ExpertSet`` plays the controller, and ``logit_scale`` matters only
+    for the raw softmax. Observation: (x, y, vx, vy, angle, angular velocity, leg 1 contact, leg 2 contact).
+    """
+
+    family = "lander_heuristic"
+
+    def __init__(self, n_experts: int, obs_dim: int = 8, n_actions: int = 4, logit_scale: float = 1.0):
+        super().__init__(n_experts, obs_dim, n_actions)
+        if (obs_dim, n_actions) != (8, 4):
+            raise ValidationError("obs_dim", f"the lander heuristic needs obs_dim 8 and 4 actions, got {obs_dim}, "
+                                  f"{n_actions}")
+        if not isinstance(logit_scale, (int, float)) or not logit_scale > 0:
+            raise ValidationError("logit_scale", f"must be a positive number, got {logit_scale!r}")
+        self.logit_scale = float(logit_scale)
+        self.gains = self._new_parameter(len(LANDER_HEURISTIC_GAINS))
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "logit_scale": self.logit_scale}
+
+    def _logits_paired(self, states: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        g = params["gains"].to(states.dtype).unsqueeze(1).unbind(-1)  # 11 x [m, 1]
+        (x_to_angle, vx_to_angle, limit, x_to_hover, angle_error, angular_damping, hover_error, vertical_damping,
+         contact_damping, hover_threshold, angle_threshold) = g
+        x, y, vx, vy, angle, angular_velocity, leg1, leg2 = states.unbind(-1)
+        angle_target = torch.minimum(torch.maximum(x_to_angle * x + vx_to_angle * vx, -limit), limit)
+        hover_target = x_to_hover * x.abs()
+        contact = (leg1 != 0) | (leg2 != 0)
+        angle_todo = torch.where(contact, 0.0, (angle_target - angle) * angle_error - angular_velocity * angular_damping)
+        hover_todo = torch.where(contact, -vy * contact_damping, (hover_target - y) * hover_error - vy * vertical_damping)
+        main = (hover_todo > angle_todo.abs()) & (hover_todo > hover_threshold)
+        action = torch.where(main, 2, torch.where(angle_todo < -angle_threshold, 3,
+                                                  torch.where(angle_todo > angle_threshold, 1, 0)))
+        logits = torch.zeros(*action.shape, self.n_actions, dtype=states.dtype, device=states.device)
+        return logits.scatter_(-1, action.unsqueeze(-1), self.logit_scale)
+
+    @classmethod
+    def from_gains(cls, gains: torch.Tensor, logit_scale: float = 1.0) -> "StackedLanderHeuristic":
+        """gains [m, 11] in the order of ``LANDER_HEURISTIC_GAINS``."""
+        gains = torch.as_tensor(gains, dtype=torch.float32)
+        if gains.dim() != 2 or gains.shape[1] != len(LANDER_HEURISTIC_GAINS) or not torch.isfinite(gains).all():
+            raise ValidationError("gains", f"expected finite [m, {len(LANDER_HEURISTIC_GAINS)}], got {tuple(gains.shape)}")
+        policy = cls(gains.shape[0], logit_scale=logit_scale)
+        with torch.no_grad():
+            policy.gains.copy_(gains)
+        return policy
