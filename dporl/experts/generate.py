@@ -96,8 +96,7 @@ class GeneratedExperts:
             "generation": to_dict(config),
             "settings": self.settings,
             "candidate_return_mean": float(self.candidate_returns.mean()),
-            "candidate_return_quantiles": _quantiles(self.candidate_returns),
-            "kept_return_quantiles": _quantiles(self.eval_returns),
+            "candidate_returns": return_summary(self.candidate_returns),
             "per_expert": {
                 "setting_index": self.setting_index.tolist(),
                 "eval_return": [float(r) for r in self.eval_returns],
@@ -105,11 +104,13 @@ class GeneratedExperts:
         }
 
 
-def _quantiles(values: np.ndarray) -> dict[str, float]:
-    """Min, 10/25/50/75/90 % quantiles and max of finite values (JSON-safe)."""
+def return_summary(values) -> dict[str, float]:
+    """Mean, standard deviation and the 0/10/25/50/75/90/100 % quantiles of returns (JSON-safe): the spread of the
+    experts' quality."""
     values = np.asarray(values, dtype=np.float64).reshape(-1)
-    points = {"min": 0, "q10": 10, "q25": 25, "median": 50, "q75": 75, "q90": 90, "max": 100}
-    return {name: float(np.percentile(values, q)) for name, q in points.items()}
+    quantiles = dict(zip(("min", "q10", "q25", "median", "q75", "q90", "max"),
+                         np.percentile(values, [0, 10, 25, 50, 75, 90, 100]).tolist()))
+    return {"mean": float(values.mean()), "std": float(values.std()), **quantiles}
 
 
 def physics_settings(config: GenerationConfig) -> list[dict]:

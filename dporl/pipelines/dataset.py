@@ -19,7 +19,7 @@ import numpy as np
 
 from dporl.experts.collect import collect, make_vector_env
 from dporl.experts.expert_set import ExpertSet, check_p_min
-from dporl.experts.generate import GenerationConfig, generate_experts
+from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, register
 from dporl.train.run_dir import RunDirectory, RunMode
@@ -78,6 +78,7 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
         config.seed,
         env_kwargs=config.experts.env_kwargs,
         experts_per_chunk=config.experts_per_chunk,
+        workers=config.experts.env_workers,
         progress=config.progress,
         extra={"pipeline_config": to_dict(config)},
     )
@@ -86,14 +87,16 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
 
     logged = _per_expert_mean_return(dataset)
     eval_returns = expert_set.info.get("per_expert", {}).get("eval_return")
+    candidates = expert_set.info.get("candidate_returns")
     summary = {
         "out_dir": str(out_dir),
         "expert_set": str(out_dir / "experts.pt"),
         "dataset": str(out_dir / "dataset.npz"),
         "n_experts": expert_set.n_experts,
         "expert_family": expert_set.info.get("source"),
-        "expert_eval_return_on_own_setting": _stats(eval_returns) if eval_returns else None,
-        "expert_logged_return_default_env": _stats(logged),
+        "expert_eval_return_on_own_setting": return_summary(eval_returns) if eval_returns else None,
+        "candidate_eval_return_on_own_setting": candidates,
+        "expert_logged_return_default_env": return_summary(logged),
         "dataset_summary": dataset.summary(),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
@@ -124,12 +127,6 @@ def _per_expert_mean_return(dataset) -> list[float]:
     totals = np.bincount(dataset.expert_ids, weights=dataset.episode_returns(), minlength=dataset.metadata.n_experts)
     counts = np.bincount(dataset.expert_ids, minlength=dataset.metadata.n_experts)
     return (totals / np.maximum(counts, 1)).tolist()
-
-
-def _stats(values) -> dict[str, float]:
-    values = np.asarray(values, dtype=np.float64)
-    return {"mean": float(values.mean()), "min": float(values.min()), "median": float(np.median(values)),
-            "max": float(values.max())}
 
 
 register(Pipeline("dataset", DatasetConfig, run))
