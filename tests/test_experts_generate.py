@@ -13,7 +13,7 @@ from dporl.experts.analytic import (
     hiv_switching_experts,
 )
 from dporl.experts.collect import evaluate_policies
-from dporl.experts.generate import GenerationConfig, RayConfig, _keep_best, generate_experts
+from dporl.experts.generate import GenerationConfig, RayConfig, _keep_best, candidate_seeds, generate_experts
 from dporl.experts.ppo import PPOConfig, gae, train_ppo
 from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
@@ -139,3 +139,26 @@ def test_ray_and_local_paths_give_the_same_experts():
     np.testing.assert_array_equal(local.candidate_returns, distributed.candidate_returns)
     # Two settings with different seeds give different actors.
     assert not torch.equal(local.policy.weights[0][0], local.policy.weights[0][1])
+
+
+def test_ppo_generation_keeps_batched_candidates_that_equal_per_expert_training():
+    config = GenerationConfig(family="ppo", candidates_per_setting=2, keep_best=1, eval_episodes=2, max_episode_steps=60,
+                              ppo=PPOConfig(actor_hidden_sizes=[8], critic_hidden_sizes=[8], total_timesteps=256,
+                                            n_envs=2, n_steps=64), batch_experts=3)
+    settings = [{"gravity": 9.0, "force_mag": 10.0, "masscart": 1.0}, {"gravity": 10.5, "force_mag": 9.5, "masscart": 1.2}]
+    generated = generate_experts(config, settings=settings, progress=False)
+    assert generated.policy.n_experts == 2 and generated.candidate_train_returns.shape == (2, 2)
+    seeds = candidate_seeds(config, 2)
+    assert len(set(seeds)) == 4
+    best = generated.candidate_returns.argmax(axis=1)
+    alone = [train_ppo("CartPole-v1", settings[s], config.ppo, seeds[2 * s + best[s]], max_episode_steps=60).actor
+             for s in range(2)]
+    reference = StackedMLPPolicy.from_single(alone)
+    for name, tensor in reference.state_dict().items():  # float tolerance: see tests/test_batched_ppo.py
+        torch.testing.assert_close(generated.policy.state_dict()[name], tensor, rtol=0, atol=1e-5)
+    # Chunks of 3 (a setting split across chunks) and of 4 experts give the same experts.
+    config.batch_experts = 4
+    regrouped = generate_experts(config, settings=settings, progress=False)
+    np.testing.assert_array_equal(regrouped.candidate_returns, generated.candidate_returns)
+    info = generated.info(config)
+    assert info["candidate_returns"]["max"] == generated.candidate_returns.max()
