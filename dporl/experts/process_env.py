@@ -8,8 +8,9 @@ worker its slice of the actions before waiting for any, so the slices advance in
 
 The result behaves as the single-process vector env of the same sub-envs would: next-step autoreset, per-sub-env
 seeds (``reset(seed=[...])``; an int s seeds sub-env i with s + i), the same observations, rewards and flags.
-Workers are started with the ``spawn`` method (no inherited torch or thread state) and import only what the slice
-needs. Ray is the tool when one machine is outgrown (``dporl.experts.generate``'s ``ray`` section), not this.
+Workers are forked where the platform can (Linux; they run only numpy and Box2D code, never torch, so inheriting
+the parent's torch state is harmless, and a script without an ``if __name__ == "__main__"`` guard still works),
+spawned elsewhere. Ray is the tool when one machine is outgrown (``dporl.experts.generate``'s ``ray`` section).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class ProcessVectorEnv(VectorEnv):
         self.render_mode = None
         bounds = np.linspace(0, self.num_envs, min(int(workers), self.num_envs) + 1).round().astype(int)
         self._slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        context = multiprocessing.get_context("spawn")
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         self._connections, self._processes = [], []
         try:
             for part in self._slices:
