@@ -10,6 +10,7 @@ holds this very generation (mode "resume"; ``expert_cql``'s ``data.generate`` us
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,8 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     check_p_min(config.p_min, _action_count(config.experts.env_id, config.experts.env_kwargs), config.softening)
     run_dir.begin()
     timings: dict[str, float] = {}
-    start = time.perf_counter()
+    load = {"start": os.getloadavg()[0]}  # the machine may be shared: say how loaded it was
+    start, cpu = time.perf_counter(), time.process_time()
     if config.expert_set_path is None:
         generated = generate_experts(config.experts, progress=config.progress)
         expert_set = ExpertSet(generated.policy, config.p_min, config.softening, generated.info(config.experts))
@@ -67,9 +69,11 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
         loaded = ExpertSet.load(config.expert_set_path)
         expert_set = ExpertSet(loaded.policy, config.p_min, config.softening, loaded.info)
     timings["experts_s"] = time.perf_counter() - start
+    timings["experts_cpu_s"] = time.process_time() - cpu  # this process, all threads (env workers not included)
+    load["after_experts"] = os.getloadavg()[0]
     expert_set.save(out_dir / "experts.pt")
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     dataset = collect(
         expert_set,
         config.experts.env_id,
@@ -83,6 +87,8 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
         extra={"pipeline_config": to_dict(config)},
     )
     timings["logging_s"] = time.perf_counter() - start
+    timings["logging_cpu_s"] = time.process_time() - cpu
+    load["end"] = os.getloadavg()[0]
     dataset.save(out_dir / "dataset.npz")
 
     logged = _per_expert_mean_return(dataset)
@@ -99,6 +105,8 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
         "expert_logged_return_default_env": return_summary(logged),
         "dataset_summary": dataset.summary(),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "load_average_1min": {k: round(v, 2) for k, v in load.items()},
+        "cpu_count": os.cpu_count(),
     }
     series = {"mean logged return (softened, default env)": (list(range(len(logged))), sorted(logged), None)}
     if eval_returns:
