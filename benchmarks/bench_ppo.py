@@ -8,11 +8,13 @@ Two measurements, each on this machine (2 cores, shared: the load average is pri
    - per core: ``train_ppo`` one expert after another in this process vs ``train_ppo_batched`` on E experts, both
      with one torch thread; the ratio is the speed-up per core;
    - on ``--cores`` cores: the old path's layout (one single-threaded process per expert, ``--cores`` of them in
-     parallel, as its Ray tasks ran) vs one batched process with ``--cores`` torch threads.
+     parallel, as its Ray tasks ran) vs ``--cores`` single-threaded processes each training a share of the batch
+     as one model (generate's Ray chunks; threads that wait for each other at every matmul lose on a shared machine).
    The first experts of each batched round are checked equal to their per-expert runs (same seeds, same updates):
    both sides produce the same experts.
 2. Time to 3000 CartPole experts: the full ``configs/dataset_cartpole_ppo.yaml`` expert generation (1000 physics
-   settings x 4 candidates, best 3 kept by greedy return on the setting), wall clock, CPU time and load.
+   settings x 4 candidates, best 3 kept by greedy return on the setting) with chunks of 500 candidates on a local
+   Ray instance of ``--cores`` CPUs (one single-threaded chunk per core), wall clock and load.
 
     python benchmarks/bench_ppo.py                 # both (about 30 min on two idle cores)
     python benchmarks/bench_ppo.py --skip-3000     # throughput only (a few minutes)
@@ -33,7 +35,7 @@ import torch
 
 from dporl.envs.variants import physics_grid
 from dporl.experts.batched_ppo import train_ppo_batched
-from dporl.experts.generate import GenerationConfig, candidate_seeds, generate_experts
+from dporl.experts.generate import GenerationConfig, RayConfig, candidate_seeds, generate_experts
 from dporl.experts.policies import StackedMLPPolicy
 from dporl.experts.ppo import PPOConfig, train_ppo
 from dporl.utils.config import from_dict, load_yaml
@@ -43,8 +45,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dataset_cartpole_ppo
 
 def load_generation(quick: bool) -> GenerationConfig:
     experts = dict(load_yaml(CONFIG)["experts"])
-    if quick:
-        experts.update(points_per_axis=3, n_settings=None)  # 27 settings
+    if quick:  # 27 settings, 2k timesteps per candidate
+        experts.update(points_per_axis=3, n_settings=None, ppo={**experts["ppo"], "total_timesteps": 2048})
     return from_dict(GenerationConfig, experts)
 
 
@@ -54,6 +56,15 @@ def _per_expert_job(args: tuple) -> float:
     torch.set_num_threads(1)
     start = time.perf_counter()
     train_ppo(env_id, setting, config, seed, max_episode_steps=max_steps)
+    return time.perf_counter() - start
+
+
+def _batched_job(args: tuple) -> float:
+    """One batched model trained in a single-threaded worker process; returns its wall time."""
+    env_id, settings, config, seeds, max_steps = args
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    train_ppo_batched(env_id, settings, config, seeds, max_episode_steps=max_steps)
     return time.perf_counter() - start
 
 
@@ -89,9 +100,11 @@ def throughput(generation: GenerationConfig, timesteps: int, batch: int, singles
             start = time.perf_counter()
             pool.map(_per_expert_job, jobs, chunksize=1)
             parallel["per-expert"].append((time.perf_counter() - start) / len(jobs))
-            torch.set_num_threads(cores)
+            share = -(-batch // cores)  # one single-threaded batched model per core, as generate's Ray chunks run
+            jobs = [(generation.env_id, settings[i:i + share], config, seeds[i:i + share], steps)
+                    for i in range(0, batch, share)]
             start = time.perf_counter()
-            train_ppo_batched(generation.env_id, settings, config, seeds, max_episode_steps=steps)
+            pool.map(_batched_job, jobs, chunksize=1)
             parallel["batched"].append((time.perf_counter() - start) / batch)
             print(f"  round {round_index + 1}/{rounds}: per core {per_core['per-expert'][-1] * 1e3:.0f} vs "
                   f"{per_core['batched'][-1] * 1e3:.1f} ms per expert; on {cores} cores "
@@ -110,11 +123,13 @@ def throughput(generation: GenerationConfig, timesteps: int, batch: int, singles
 
 
 def time_to_3000(generation: GenerationConfig, cores: int) -> None:
-    torch.set_num_threads(cores)
+    generation.torch_threads = 1
+    generation.batch_experts = min(generation.batch_experts, 500)
+    generation.ray = RayConfig(enabled=cores > 1, num_cpus=cores)
     kept = len(physics_grid(generation.env_id, generation.points_per_axis)) * generation.keep_best
     print(f"\ngenerating {kept} CartPole experts: {generation.candidates_per_setting} candidates per setting, best "
           f"{generation.keep_best} kept, {generation.ppo.total_timesteps} timesteps each, actor "
-          f"{generation.ppo.actor_hidden_sizes}, {cores} torch threads")
+          f"{generation.ppo.actor_hidden_sizes}, chunks of {generation.batch_experts} on {cores} cores")
     load_before = os.getloadavg()
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -123,8 +138,8 @@ def time_to_3000(generation: GenerationConfig, cores: int) -> None:
     cpu = time.process_time() - cpu_before
     load_after = os.getloadavg()
     returns = generated.eval_returns
-    print(f"time to {generated.policy.n_experts} experts: {wall / 60:.1f} min wall ({cpu / 60:.1f} min CPU of this "
-          f"process; goal < 30 min on 2 cores); load average before {load_before[0]:.2f}, after "
+    print(f"time to {generated.policy.n_experts} experts: {wall / 60:.1f} min wall (goal < 30 min on 2 cores; "
+          f"{cpu / 60:.1f} min CPU in this process, Ray workers not counted); load average before {load_before[0]:.2f}, after "
           f"{load_after[0]:.2f} (1 min), {load_after[2]:.2f} (15 min)")
     print(f"kept experts' greedy return on their setting: quantiles 0/10/25/50/75/90/100 % = "
           f"{np.percentile(returns, [0, 10, 25, 50, 75, 90, 100]).round(1).tolist()}")
