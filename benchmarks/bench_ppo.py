@@ -50,21 +50,15 @@ def load_generation(quick: bool) -> GenerationConfig:
     return from_dict(GenerationConfig, experts)
 
 
-def _per_expert_job(args: tuple) -> float:
-    """One expert trained alone in a single-threaded worker process; returns its wall time."""
-    env_id, setting, config, seed, max_steps = args
+def _job(args: tuple) -> float:
+    """One single-threaded worker-process job: one expert alone (``train_ppo``) or a batched model; its wall time."""
+    batched, env_id, settings, config, seeds, max_steps = args
     torch.set_num_threads(1)
     start = time.perf_counter()
-    train_ppo(env_id, setting, config, seed, max_episode_steps=max_steps)
-    return time.perf_counter() - start
-
-
-def _batched_job(args: tuple) -> float:
-    """One batched model trained in a single-threaded worker process; returns its wall time."""
-    env_id, settings, config, seeds, max_steps = args
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    train_ppo_batched(env_id, settings, config, seeds, max_episode_steps=max_steps)
+    if batched:
+        train_ppo_batched(env_id, settings, config, seeds, max_episode_steps=max_steps)
+    else:
+        train_ppo(env_id, settings, config, seeds, max_episode_steps=max_steps)
     return time.perf_counter() - start
 
 
@@ -81,7 +75,7 @@ def throughput(generation: GenerationConfig, timesteps: int, batch: int, singles
     parallel = {"per-expert": [], "batched": []}
     context = multiprocessing.get_context("spawn")
     with context.Pool(cores) as pool:
-        pool.map(_per_expert_job, [(generation.env_id, settings[0], config, seeds[0], steps)] * cores)  # warm up
+        pool.map(_job, [(False, generation.env_id, settings[0], config, seeds[0], steps)] * cores)  # warm up
         for round_index in range(rounds):
             torch.set_num_threads(1)
             start = time.perf_counter()
@@ -96,15 +90,15 @@ def throughput(generation: GenerationConfig, timesteps: int, batch: int, singles
                         for k, v in reference.state_dict().items())
             assert worst < 1e-5, f"batched experts differ from per-expert ones by {worst}"
 
-            jobs = [(generation.env_id, settings[i], config, seeds[i], steps) for i in range(singles * cores)]
+            jobs = [(False, generation.env_id, settings[i], config, seeds[i], steps) for i in range(singles * cores)]
             start = time.perf_counter()
-            pool.map(_per_expert_job, jobs, chunksize=1)
+            pool.map(_job, jobs, chunksize=1)
             parallel["per-expert"].append((time.perf_counter() - start) / len(jobs))
             share = -(-batch // cores)  # one single-threaded batched model per core, as generate's Ray chunks run
-            jobs = [(generation.env_id, settings[i:i + share], config, seeds[i:i + share], steps)
+            jobs = [(True, generation.env_id, settings[i:i + share], config, seeds[i:i + share], steps)
                     for i in range(0, batch, share)]
             start = time.perf_counter()
-            pool.map(_batched_job, jobs, chunksize=1)
+            pool.map(_job, jobs, chunksize=1)
             parallel["batched"].append((time.perf_counter() - start) / batch)
             print(f"  round {round_index + 1}/{rounds}: per core {per_core['per-expert'][-1] * 1e3:.0f} vs "
                   f"{per_core['batched'][-1] * 1e3:.1f} ms per expert; on {cores} cores "

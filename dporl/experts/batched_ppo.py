@@ -37,6 +37,7 @@ from dporl.experts.ppo import (
     minibatch_bounds,
     ppo_losses,
     reset_seeded,
+    step_outcome,
     update_uniforms,
 )
 from dporl.utils.validation import ValidationError
@@ -205,17 +206,13 @@ class _Trainer:
             valid_buf[t] = torch.from_numpy(~resetting).view(E, n)
             next_obs, reward, terminated, truncated, _ = self.envs.step(action.reshape(-1).cpu().numpy())
             next_obs = torch.as_tensor(np.asarray(next_obs), dtype=torch.float32).reshape(E * n, -1).to(self.device)
-            reward = np.where(resetting, 0.0, np.asarray(reward, dtype=np.float64))
-            terminated = np.asarray(terminated) & ~resetting
-            truncated = np.asarray(truncated) & ~resetting
+            reward, done, cut = step_outcome(reward, terminated, truncated, resetting)
             running += reward
-            cut = truncated & ~terminated
             scaled = reward * config.reward_scale
             if cut.any():  # time-limit cut: bootstrap with V(final obs), as train_ppo does
                 with torch.no_grad():
                     final_values = self.critic.forward_paired(next_obs.view(E, n, d)).reshape(-1).cpu().numpy()
                 scaled[cut] += config.gamma * final_values[cut]
-            done = terminated | truncated
             if done.any():
                 ended = np.flatnonzero(done)
                 experts = self.expert_of_slot[ended]

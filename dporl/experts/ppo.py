@@ -205,16 +205,12 @@ def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: 
             valid_buf[t] = torch.from_numpy(~resetting)
             next_obs, reward, terminated, truncated, _ = envs.step(action.numpy())
             next_obs = torch.as_tensor(np.asarray(next_obs), dtype=torch.float32).reshape(n_envs, -1)
-            reward = np.where(resetting, 0.0, np.asarray(reward, dtype=np.float64))
-            terminated = np.asarray(terminated) & ~resetting
-            truncated = np.asarray(truncated) & ~resetting
+            reward, done, cut = step_outcome(reward, terminated, truncated, resetting)
             running += reward
-            cut = truncated & ~terminated
             scaled = reward * config.reward_scale
             if cut.any():  # a time-limit cut is not an ending: bootstrap with V(final obs), returned this step
                 with torch.no_grad():
                     scaled[cut] += config.gamma * critic(next_obs[torch.from_numpy(cut)]).squeeze(-1).numpy()
-            done = terminated | truncated
             for i in np.flatnonzero(done):
                 finished.append(float(running[i]))
                 running[i] = 0.0
@@ -231,6 +227,16 @@ def _train(envs: gym.vector.VectorEnv, config: PPOConfig, seed: int, generator: 
     actor.requires_grad_(False)
     critic.requires_grad_(False)
     return PPOResult(actor, critic, finished, n_updates * config.batch_size)
+
+
+def step_outcome(reward, terminated, truncated, resetting: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Next-step autoreset bookkeeping of one vector-env step: a sub-env that was ``resetting`` (its episode ended
+    last step) gets reward 0 and ends nothing. Returns (reward float64, done, cut): ``cut`` marks time-limit cuts,
+    which are not endings and get the critic's value of their final observation."""
+    reward = np.where(resetting, 0.0, np.asarray(reward, dtype=np.float64))
+    terminated = np.asarray(terminated) & ~resetting
+    truncated = np.asarray(truncated) & ~resetting
+    return reward, terminated | truncated, truncated & ~terminated
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_value: torch.Tensor, gamma: float,
