@@ -84,6 +84,10 @@ def test_keep_best_and_config_validation():
         GenerationConfig(candidates_per_setting=2, keep_best=3)
     with pytest.raises(ValidationError, match="ppo.n_minibatches"):
         PPOConfig(n_minibatches=0)
+    with pytest.raises(ValidationError, match="experts.device"):
+        GenerationConfig(device="tpu")
+    with pytest.raises(ValidationError, match="experts.torch_threads"):
+        GenerationConfig(torch_threads=0)
     config = from_dict(GenerationConfig, {"family": "ppo", "ppo": {"total_timesteps": 10}, "ray": {"enabled": True}})
     assert config.ppo.total_timesteps == 10 and config.ray.enabled
     with pytest.raises(ValidationError):

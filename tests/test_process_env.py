@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from dporl.experts.collect import make_vector_env
 from dporl.experts.process_env import ProcessVectorEnv
@@ -36,3 +37,18 @@ def test_bad_inputs_and_worker_failures_are_reported():
         ProcessVectorEnv("LunarLander-v3", 2, 10, workers=0)
     with pytest.raises(ValidationError, match="params.gravity"):  # raised in a worker, re-raised here
         ProcessVectorEnv("LunarLander-v3", 2, 10, [{"gravity": 3.0}] * 2, workers=2)  # gravity must be negative
+
+
+def test_batched_ppo_over_worker_processes_equals_per_expert_ppo():
+    from dporl.experts.batched_ppo import train_ppo_batched
+    from dporl.experts.policies import StackedMLPPolicy
+    from dporl.experts.ppo import PPOConfig, train_ppo
+
+    config = PPOConfig(actor_hidden_sizes=[8], critic_hidden_sizes=[8], n_envs=2, n_steps=24, total_timesteps=96,
+                       update_epochs=1, n_minibatches=2)
+    settings = [{"gravity": -9.0, "enable_wind": True, "wind_power": 1.0, "turbulence_power": 0.1},
+                {"gravity": -11.0, "enable_wind": True, "wind_power": 4.0, "turbulence_power": 0.4}]
+    batched = train_ppo_batched("LunarLander-v3", settings, config, [5, 6], max_episode_steps=30, env_workers=2)
+    alone = [train_ppo("LunarLander-v3", s, config, seed, max_episode_steps=30).actor for s, seed in zip(settings, [5, 6])]
+    for name, tensor in StackedMLPPolicy.from_single(alone).state_dict().items():  # tolerance: tests/test_batched_ppo.py
+        torch.testing.assert_close(batched.actor.state_dict()[name], tensor, rtol=0, atol=1e-5)

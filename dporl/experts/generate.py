@@ -78,6 +78,10 @@ class GenerationConfig:
             raise ValidationError("experts.n_settings", f"must be >= 1 or null, got {self.n_settings}")
         if self.points_per_axis is not None and self.points_per_axis < 1:
             raise ValidationError("experts.points_per_axis", f"must be >= 1 or null, got {self.points_per_axis}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValidationError("experts.device", f"must be 'cpu' or 'cuda[:index]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValidationError("experts.device", "CUDA is not available on this machine")
         if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
             raise ValidationError("experts.ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
 
