@@ -150,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     generation = load_generation(args.quick)
     print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
-    throughput(generation, args.timesteps or (1024 if args.quick else 4096), args.batch or (64 if args.quick else 1000),
+    throughput(generation, args.timesteps or (1024 if args.quick else 2048), args.batch or (64 if args.quick else 500),
                singles=2 if args.quick else 4, rounds=args.rounds or (2 if args.quick else 3), cores=args.cores)
     if not args.skip_3000:
         time_to_3000(generation, args.cores)
