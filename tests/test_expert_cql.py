@@ -142,6 +142,18 @@ def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, 
     assert summary["noise_multiplier"] < 0.9 * fixed
     assert f"GUARANTEE: ({guarantee['epsilon']:.4g}, 1e-05)-DP" in capsys.readouterr().out
 
+    # The config audit attacks the noise the run added, not the fixed split's: with the data on disk (planned on
+    # them) and from public quantities alone (m, p_min: the release's events depend on nothing else).
+    from dporl.audit.config_audit import expert_cql_audits
+
+    settings = to_dict(cfg)
+    on_disk = expert_cql_audits(settings)[0]
+    settings["data"] = {**settings["data"], "dataset": str(tmp_path / "absent.npz")}
+    from_public = expert_cql_audits(settings, n_experts=M, p_min=P_MIN)[0]
+    for audit in (on_disk, from_public):
+        assert audit.name == "mixture"
+        assert audit.settings["noise_multiplier"] == pytest.approx(summary["noise_multiplier"], rel=1e-12)
+
 
 def test_a_release_that_leaves_no_training_step_is_refused_before_anything_is_written(logged, tmp_path):
     # f = 0.99: the release's T = 5 runs compose to ~9.9 of 10 even at the total delta (few (eps, delta) pairs

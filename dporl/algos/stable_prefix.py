@@ -249,12 +249,21 @@ def plan_release(
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
     p_min = check_release_preconditions(dataset, expert_set, config)
     simulator = public_simulator(dataset.metadata, config, expert_set) if config.source == "fresh" else None
+    return dataclasses.replace(accounting_plan(epsilon=epsilon, delta=delta, config=config, p_min=p_min,
+                                               n_experts=expert_set.n_experts), simulator=simulator)
+
+
+def accounting_plan(*, epsilon: float, delta: float, config: StablePrefixConfig, p_min: float, n_experts: int
+                    ) -> ReleasePlan:
+    """The release's privacy events from public quantities alone (no data, no simulator): what ``account`` records
+    for a release of ``n_experts`` experts at ``p_min``. Only for accounting (e.g. an audit planning the training
+    stage a run would calibrate against it); ``plan_release`` adds the checks and the simulator a release needs."""
+    check_positive("release.epsilon", epsilon)
+    check_probability("release.delta", delta, allow_zero=False, allow_one=False)
     # Refuses m * p_min < G0 (not even the first action would be stable).
-    budget = stable_prefix_budget(
-        epsilon, delta, config.trajectories, p_min, expert_set.n_experts, monotone=config.monotone
-    )
+    budget = stable_prefix_budget(epsilon, delta, config.trajectories, p_min, n_experts, monotone=config.monotone)
     return ReleasePlan(
-        config.source, float(epsilon), float(delta), budget, p_min, config.trajectories, config.expert_chunk, simulator
+        config.source, float(epsilon), float(delta), budget, p_min, config.trajectories, config.expert_chunk, None
     )
 
 

@@ -56,11 +56,25 @@ def _logged_data(config):
     return dataset, experts
 
 
+def _release_plan(config, budgets, dataset, experts, m: int, p_min: Optional[float]):
+    """The release a run of ``config`` would record before training: planned on the config's data where they are on
+    disk (every refusal the run would raise), else from public quantities (m experts, p_min) for its accounting."""
+    from dporl.algos.stable_prefix import accounting_plan, plan_release
+    from dporl.pipelines.expert_cql import RELEASE_STAGE
+
+    eps1, delta1 = budgets[RELEASE_STAGE]
+    if dataset is not None and experts is not None:
+        return plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release)
+    if p_min is None:
+        raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
+    return accounting_plan(epsilon=eps1, delta=delta1, config=config.release, p_min=p_min, n_experts=m)
+
+
 def expert_cql_audits(
     data: Mapping[str, Any], *, n_experts: Optional[int] = None, p_min: Optional[float] = None, target: int = 0
 ) -> list[Experiment]:
     from dporl.audit.stable_prefix_audit import neighbours_of, stable_prefix_audit
-    from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig, training_plan
+    from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig, training_noise, training_plan
 
     config = from_dict(ExpertCQLConfig, data)
     budgets = config.stage_budgets()
@@ -81,13 +95,12 @@ def expert_cql_audits(
         q = config.batch_size / m
         mixed = config.method == "mixed"
         sigma = config.dp.noise_multiplier
-        if sigma is None:
+        if sigma is None:  # the run's own calibration (against what its release leaves, for Algorithm 3)
             if config.trainer.max_steps is None:
                 raise ValidationError("trainer.max_steps", "needed to calibrate dp.noise_multiplier")
-            sigma = calibrate_noise_multiplier(
-                eps2, delta2, config.trainer.max_steps,
-                make_event=step_event_factory(q, config.dp.p_dp if mixed else None), mechanism=config.dp.accountant,
-            )
+            planned = (_release_plan(config, budgets, dataset, experts, m, p_min) if RELEASE_STAGE in budgets
+                       else None)
+            sigma = training_noise(config, budgets, planned, step_event_factory(q, config.dp.p_dp if mixed else None))
         common = {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": config.dp.max_grad_norm,
                   "delta": delta2, "accountant": config.dp.accountant, "rows_per_expert": config.dp.rows_per_expert}
         if mixed:

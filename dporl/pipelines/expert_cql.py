@@ -53,13 +53,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 
 from dporl.algos.cql import CQLConfig, DiscreteCQL
 from dporl.algos.expert_sources import Method, expert_source, training_source
-from dporl.algos.stable_prefix import RELEASE_STAGE, StablePrefixConfig, account, plan_release, release_stable_prefixes
+from dporl.algos.stable_prefix import (
+    RELEASE_STAGE,
+    ReleasePlan,
+    StablePrefixConfig,
+    account,
+    plan_release,
+    release_stable_prefixes,
+)
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
@@ -439,10 +446,10 @@ def _preflight(
             f"data and rolls them out in a public simulator; these data are grouped by column {column!r}, not by "
             f"queryable experts: use method dp_sgd (unit-level DP-SGD over {column!r}, no simulator needed)"
         )
-    planned = PrivacyLedger((config.epsilon, config.delta))  # scratch: the release as it will be recorded
+    release = None
     if RELEASE_STAGE in budgets:  # no simulator, no (or a foreign) expert set, p_min, budget: every refusal
         eps1, delta1 = budgets[RELEASE_STAGE]
-        account(plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release), planned)
+        release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release)
     parts = check_cells(plan, dataset) if plan is not None else {}
     train_data = parts["train"] if plan is not None and plan.train_cells is not None else dataset
     if TRAIN_STAGE in budgets:
@@ -450,9 +457,24 @@ def _preflight(
         private = expert_source(train_data, train_data.metadata.n_experts, config.batch_size,
                                 config.dp.rows_per_expert)
         source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
-        return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps,
-                            source.step_event, ledger=planned, stage=TRAIN_STAGE)[0], train_data
+        return training_noise(config, budgets, release, source.step_event), train_data
     return None, train_data
+
+
+def training_noise(
+    config: ExpertCQLConfig, budgets, release: Optional[ReleasePlan], step_event: Callable[[float], Any]
+) -> Optional[float]:
+    """The training stage's noise multiplier as a run of ``config`` calibrates it (None without a training stage):
+    for its own stage budget, or, when the stage shares the run budget (Algorithm 3 after a fresh release), for what
+    the release's events (``release``, recorded first) leave of the run budget under one joint PLD. The audits call
+    this too, so that what they attack is the noise the run would add."""
+    if TRAIN_STAGE not in budgets:
+        return None
+    planned = PrivacyLedger((config.epsilon, config.delta))  # scratch: the release as it will be recorded
+    if release is not None:
+        account(release, planned)
+    return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps, step_event,
+                        ledger=planned, stage=TRAIN_STAGE)[0]
 
 
 def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, experts, algorithm, evaluate, env,
