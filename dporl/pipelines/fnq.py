@@ -362,7 +362,7 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
     if spec.method in DATA_FREE:
         return _data_free(config, spec, seed, ctx)
     run_dir = Path(config.run_dir) / spec.label / f"seed{seed}"
-    root = SecretRoot(ctx.root.integer(f"{spec.label}/seed{seed}/root", bits=256))  # this run's secret root
+    root = ctx.root.child(f"{spec.label}/seed{seed}/root")  # this run's secret root (a stream of the invocation's)
     paths_noise = root.noise("paths")
     ledger = PrivacyLedger()
     every, windows = _reset_every(config, spec.reset_factor)
