@@ -69,7 +69,12 @@ class SweepConfig:
 
 
 def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Optional[float], int, ExpertCQLConfig]]:
-    """(method, epsilon or None for non_private, seed, run config) for every run of the sweep."""
+    """(method, epsilon or None for non_private, seed, run config) for every run of the sweep.
+
+    ``data``: the base config with ``config.overrides`` already applied (and its generation, if any, already
+    replaced by the generated files): they are not applied again, so an override of ``data.generate.*`` shapes the
+    one generation instead of bringing the generate block back beside the generated dataset.
+    """
     by_eps = {entry.epsilon: entry.overrides for entry in config.epsilon_overrides}
     runs = []
     for method in config.methods:
@@ -78,7 +83,6 @@ def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Op
             for seed in config.seeds:
                 name = f"{method}/{'all' if eps is None else f'eps_{eps:g}'}/seed_{seed}"
                 overrides = [
-                    *config.overrides,
                     *config.method_overrides.get(method, []),
                     *(by_eps.get(eps, []) if eps is not None else []),
                     f"method={method}",
