@@ -1,4 +1,5 @@
-"""configs/expert_cql_hiv_tuned.yaml, configs/sweep_hiv_tuned.yaml and configs/dataset_hiv_public_tune.yaml load and
+"""configs/expert_cql_hiv_tuned.yaml, configs/sweep_hiv_tuned.yaml, configs/dataset_hiv_public_tune.yaml and the
+LunarLander heuristic-family configs (expert_cql_ / sweep_lunarlander_analytic.yaml) load and
 run end to end at a tiny scale (the shipped sweep with overrides that shrink the data, the release and training),
 so CI covers the configs the issue-16 HIV table was measured with. The sweep test also pins the fix that lets a
 sweep's overrides shape ``data.generate`` (they used to be re-applied after the generation and failed with "give
@@ -7,12 +8,14 @@ exactly one of data.path or data.generate")."""
 from __future__ import annotations
 
 import math
+
+import pytest
 from pathlib import Path
 
 from dporl.pipelines.dataset import DatasetConfig
 from dporl.pipelines.expert_cql import ExpertCQLConfig
 from dporl.pipelines.sweep import SweepConfig, run as run_sweep
-from dporl.utils.config import from_dict, load_yaml, to_dict
+from dporl.utils.config import apply_overrides, from_dict, load_yaml, to_dict
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -61,3 +64,28 @@ def test_hiv_tuned_sweep_runs_at_tiny_scale(tmp_path):
         if method != "non_private":  # every private run prints a guarantee within its budget
             assert 0 < cell["guarantee_epsilon"] <= 10.0 + 1e-9
     assert (tmp_path / "sweep" / "return_vs_epsilon.png").stat().st_size > 0
+
+
+def test_lunarlander_analytic_sweep_runs_at_tiny_scale(tmp_path):
+    """The LunarLander sweep on a tiny heuristic-family dataset made by its dataset config: the two methods that
+    need no release run and print a guarantee within the budget; with 6 experts the release is refused, by name
+    (m p_min = 0.3 is far below G0), as it was at 300 experts in docs/results.md."""
+    pytest.importorskip("Box2D")
+    from dporl.pipelines.dataset import run as run_dataset
+
+    data_config = load_yaml(CONFIGS / "dataset_lunarlander_analytic.yaml")
+    generated = run_dataset(from_dict(DatasetConfig, apply_overrides(data_config, [
+        f"out_dir={tmp_path / 'data'}", "experts.n_settings=2", "experts.eval_episodes=1",
+        "experts.max_episode_steps=12", "experts.env_workers=1", "trajectories_per_expert=2", "max_episode_steps=10",
+        "progress=false"])))
+    sweep_data = load_yaml(CONFIGS / "sweep_lunarlander_analytic.yaml")
+    sweep_data["base"] = str(CONFIGS / "expert_cql_lunarlander_analytic.yaml")
+    sweep_data["overrides"] = [*sweep_data["overrides"], f"data.path={generated['dataset']}", "batch_size=4",
+                               *(o for o in TINY if not o.startswith("data.generate"))]
+    sweep_data.update({"seeds": [0], "out_dir": str(tmp_path / "sweep"), "progress": False})
+    cells = {e["method"]: e for e in run_sweep(from_dict(SweepConfig, sweep_data))["table"]}
+    for method in ("non_private", "dp_sgd"):
+        assert cells[method]["seeds"] == 1 and math.isfinite(cells[method]["return_mean"]), cells[method]["note"]
+    assert 0 < cells["dp_sgd"]["guarantee_epsilon"] <= 10.0 + 1e-9
+    for method in ("stable_only", "mixed"):
+        assert cells[method]["seeds"] == 0 and "p_min" in cells[method]["note"]
