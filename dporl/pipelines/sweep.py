@@ -9,6 +9,10 @@ per seed and appears as a flat line. A run refused by its configuration (e.g. a 
 private at a small eps, the paper's reason to fall back to DP-SGD there) is recorded with its reason, not retried.
 Each cell of the table is the mean over seeds of the run's ``return_mean_last_evals`` with a Student-t interval
 (``dporl.eval.returns.confidence_interval``) and the largest guaranteed epsilon among its seeds.
+
+``--from-runs A/runs.csv --from-runs B/runs.csv`` runs nothing: it tabulates and plots the rows of earlier sweeps' ``runs.csv``
+into ``out_dir``, a later file's row replacing an earlier one of the same (method, eps, seed) (e.g. one method re-run
+on a newer main), keeping only the config's methods and budgets.
 """
 
 from __future__ import annotations
@@ -117,11 +121,68 @@ def run(config: SweepConfig) -> dict:
     rows = []
     for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
         rows.append(_run_one(method, eps, seed, run_config))
+    return _report(rows, config)
+
+
+def _report(rows: list[dict[str, Any]], config: SweepConfig) -> dict:
     out_dir = Path(config.out_dir)
     table = summarise(rows, config)
     _write_outputs(out_dir, rows, table, config)
     return {"runs": len(rows), "failed": sum(r["error"] is not None for r in rows), "table": table,
             "outputs": [str(out_dir / name) for name in ("runs.csv", "results.md", "return_vs_epsilon.png")]}
+
+
+_CSV_FIELDS = ("method", "epsilon", "seed", "return", "final_return", "guarantee_epsilon", "guarantee_delta", "steps",
+               "stable_transitions", "error")
+
+
+def read_runs(paths: list[str | Path], config: SweepConfig) -> list[dict[str, Any]]:
+    """The rows of earlier sweeps' ``runs.csv`` files (as ``_write_outputs`` wrote them) for ``config``'s grid; a later
+    file's (method, epsilon, seed) row replaces an earlier file's."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValidationError("from_runs", f"cannot read {path}: {exc}") from None
+        reader = csv.DictReader(io.StringIO(text))
+        missing = sorted(set(_CSV_FIELDS) - set(reader.fieldnames or ()))
+        if missing:
+            raise ValidationError("from_runs", f"{path} is not a sweep runs.csv (missing columns {missing})")
+        for line, raw in enumerate(reader, start=2):
+            try:
+                row = _parse_row(raw)
+            except ValueError as exc:
+                raise ValidationError("from_runs", f"{path}:{line}: {exc}") from None
+            if row["method"] not in config.methods:
+                continue
+            if row["epsilon"] is not None and row["epsilon"] not in config.epsilons:
+                continue
+            if row["seed"] in config.seeds:
+                merged[(row["method"], row["epsilon"], row["seed"])] = row
+    if not merged:
+        raise ValidationError("from_runs", f"no row of {[str(p) for p in paths]} is in the sweep's grid")
+    return list(merged.values())
+
+
+def _parse_row(raw: dict[str, str]) -> dict[str, Any]:
+    if raw["method"] not in _METHODS:
+        raise ValueError(f"unknown method {raw['method']!r} (known: {list(_METHODS)})")
+    epsilon = None if raw["epsilon"] == "" else float(raw["epsilon"])
+    if (epsilon is None) != (raw["method"] == "non_private"):
+        raise ValueError(f"method {raw['method']!r} with epsilon {raw['epsilon']!r}")
+    return {
+        "method": raw["method"], "epsilon": epsilon, "seed": int(raw["seed"]),
+        **{name: float(raw[name]) for name in ("return", "final_return", "guarantee_epsilon", "guarantee_delta")},
+        "steps": int(raw["steps"]),
+        "stable_transitions": None if raw["stable_transitions"] == "" else int(raw["stable_transitions"]),
+        "error": raw["error"] or None,
+    }
+
+
+def tabulate(config: SweepConfig, paths: list[str | Path]) -> dict:
+    """The table, CSV and PNG of ``run`` from earlier sweeps' ``runs.csv`` files, running nothing."""
+    return _report(read_runs(paths, config), config)
 
 
 def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQLConfig) -> dict[str, Any]:
@@ -168,7 +229,7 @@ def summarise(rows: list[dict[str, Any]], config: SweepConfig) -> list[dict[str,
 
 def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: SweepConfig) -> None:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(buffer, fieldnames=list(_CSV_FIELDS))
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(out_dir / "runs.csv", buffer.getvalue())
@@ -204,9 +265,17 @@ register(Pipeline("expert_cql_sweep", SweepConfig, run))
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
+    parser.add_argument("--from-runs", action="append", metavar="RUNS_CSV",
+                        help="tabulate and plot an earlier sweep's runs.csv instead of running (repeatable; later "
+                             "files' rows replace earlier ones)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    return run_cli(lambda: run(from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides))))
+
+    def work() -> dict:
+        config = from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides))
+        return tabulate(config, args.from_runs) if args.from_runs else run(config)
+
+    return run_cli(work)
 
 
 if __name__ == "__main__":
