@@ -58,15 +58,14 @@ def _logged_data(config):
 
 def _release_plan(config, budgets, dataset, experts, m: int, p_min: Optional[float]):
     """The release a run of ``config`` would record before training: planned on the config's data where they are on
-    disk (every refusal the run would raise), else from public quantities (m experts, p_min) for its accounting."""
+    disk (every refusal the run would raise), else from public quantities (m experts, p_min; checked by the caller)
+    for its accounting."""
     from dporl.algos.stable_prefix import accounting_plan, plan_release
     from dporl.pipelines.expert_cql import RELEASE_STAGE
 
     eps1, delta1 = budgets[RELEASE_STAGE]
     if dataset is not None and experts is not None:
         return plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release)
-    if p_min is None:
-        raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
     return accounting_plan(epsilon=eps1, delta=delta1, config=config.release, p_min=p_min, n_experts=m)
 
 
@@ -89,6 +88,9 @@ def expert_cql_audits(
     if m is None:
         raise ValidationError("n_experts", "the config's data are not on disk (generated data: run train.py first): "
                                            "pass --n-experts (and --p-min)")
+    own_data = dataset is not None and experts is not None  # the release is planned and attacked on them
+    if RELEASE_STAGE in budgets and not own_data and p_min is None:
+        raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
     audits = []
     if TRAIN_STAGE in budgets:
         eps2, delta2 = budgets[TRAIN_STAGE]
@@ -111,11 +113,9 @@ def expert_cql_audits(
         eps1, delta1 = budgets[RELEASE_STAGE]
         release = {"epsilon": eps1, "delta": delta1, "trajectories": config.release.trajectories,
                    "source": config.release.source}
-        if dataset is not None and experts is not None:  # the config's own fixed data
+        if own_data:  # the config's own fixed data
             audits.append(stable_prefix_audit(**release, neighbours=neighbours_of(dataset, experts, target)))
         else:
-            if p_min is None:
-                raise ValidationError("p_min", "the dataset records no p_min: pass --p-min")
             audits.append(stable_prefix_audit(**release, n_experts=m, p_min=p_min))
     return audits
 
