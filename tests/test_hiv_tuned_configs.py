@@ -84,7 +84,7 @@ def test_lunarlander_analytic_sweep_runs_at_tiny_scale(tmp_path):
     sweep_data["base"] = str(CONFIGS / "expert_cql_lunarlander_analytic.yaml")
     sweep_data["overrides"] = [*sweep_data["overrides"], f"data.path={generated['dataset']}", "batch_size=4",
                                *(o for o in TINY if not o.startswith("data.generate"))]
-    sweep_data.update({"seeds": [0], "out_dir": str(tmp_path / "sweep"), "progress": False})
+    sweep_data.update({"epsilons": [10.0], "seeds": [0], "out_dir": str(tmp_path / "sweep"), "progress": False})
     cells = {e["method"]: e for e in run_sweep(from_dict(SweepConfig, sweep_data))["table"]}
     for method in ("non_private", "dp_sgd"):
         assert cells[method]["seeds"] == 1 and math.isfinite(cells[method]["return_mean"]), cells[method]["note"]
