@@ -143,8 +143,9 @@ def time_to_3000(generation: GenerationConfig, cores: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--skip-3000", action="store_true")
-    parser.add_argument("--only-3000", action="store_true", help="the time to 3000 experts alone, no throughput rounds")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--skip-3000", action="store_true")
+    which.add_argument("--only-3000", action="store_true", help="the time to 3000 experts alone, no throughput rounds")
     parser.add_argument("--timesteps", type=int, default=None, help="per expert in the throughput rounds")
     parser.add_argument("--batch", type=int, default=None, help="experts in one batched model")
     parser.add_argument("--rounds", type=int, default=None)
@@ -152,8 +153,6 @@ def main() -> None:
     args = parser.parse_args()
     generation = load_generation(args.quick)
     print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
-    if args.skip_3000 and args.only_3000:
-        parser.error("--skip-3000 and --only-3000 exclude each other")
     if not args.only_3000:
         throughput(generation, args.timesteps or (1024 if args.quick else 2048), args.batch or (64 if args.quick else 500),
                    singles=2 if args.quick else 4, rounds=args.rounds or (2 if args.quick else 3), cores=args.cores)
