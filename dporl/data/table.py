@@ -5,7 +5,15 @@ the user chooses), observation columns, the action taken, the reward, and option
 next-state columns and the behaviour policy's propensity of the logged action::
 
     dataset = read_table("stays.csv", episode="stay_id", unit="patient_id", observations=["hr", "bp", "spo2"],
-                         action="treatment", reward="outcome", step="hour", terminated="discharged")
+                         action="treatment", actions=["none", "fluids", "vasopressor"], reward="outcome",
+                         step="hour", terminated="discharged")
+
+The action set is declared, never read from the rows: ``actions`` is a count n (the column holds the integers
+0..n-1) or a list of labels (the column holds those labels, strings or integers; label i becomes action index i,
+and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). A set inferred
+from the rows (the largest logged action + 1) would be private: one unit who once logged a rare action changes it,
+and with it the shape of every released network. Inferring the logged actions is a curator's inspection
+(``logged_action_values``, ``dporl data inspect``), never an input of a run.
 
 What the importer decides, so that no algorithm ever reads an invented state as data:
 
@@ -23,8 +31,17 @@ What the importer decides, so that no algorithm ever reads an invented state as 
 - With ``next_observations`` columns, each non-final row's next state must equal the following row's state.
 
 Every refusal is a ``ValidationError`` naming the column: a missing column, a non-numeric or missing value, NaN or
-inf, a non-integer or out-of-range action, an unsorted / duplicated / skipped step, an episode split across units,
+inf, an action outside the declared set, an unsorted / duplicated / skipped step, an episode split across units,
 a misplaced end flag, a propensity outside (0, 1] (or a log-propensity > 0), an episode with no usable step.
+
+Why refusing data that break these rules is sound. The import is the curator's data validation: it runs on the
+curator's machine before any run directory, ledger or release exists, and its error reaches the curator only.
+A guarantee is a statement about the mechanism on datasets of its declared domain (these columns, this action set,
+finite values); a table outside that domain is not an input of any mechanism, and a refused import releases
+nothing. The curator fixes (or drops) the offending rows and imports again: that cleaning is theirs, and the
+guarantee covers the run on the cleaned data. What must not happen, and does not, is a refusal after a run has
+started or one computed from values only a mechanism may see: every check here reads the rows against public
+declarations (the action set, the column mapping), and runs before anything is written.
 
 The unit column's values become ``metadata.unit_keys`` (strings) and ``metadata.unit_column`` names the column, so
 every sampler groups by the user's unit and every split by unit is a function of the user's id
@@ -44,7 +61,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
-from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.data.dataset import DatasetMetadata, TrajectoryDataset, action_set
 from dporl.utils.validation import ValidationError
 
 Columns = str | Sequence[str]
@@ -222,6 +239,54 @@ def _factorize(values: np.ndarray, *, sort: bool) -> tuple[np.ndarray, np.ndarra
     return codes.astype(np.int64, copy=False), np.asarray(uniques)
 
 
+def _action_indices(name: str, values: np.ndarray, n_actions: int, labels: Optional[tuple]) -> np.ndarray:
+    """Every row's action index in the declared set (a count: the integers 0..n-1; labels: label i -> i). A value
+    outside the set is refused (the module docstring says why a refusal at import is sound)."""
+    import pandas as pd
+
+    if labels is None:
+        indices = _integers(name, values)
+        outside = (indices < 0) | (indices >= n_actions)
+        declared = f"0..{n_actions - 1} (actions={n_actions})"
+    else:
+        if isinstance(labels[0], str):  # text labels; a numeric column is matched by its integers' decimal text
+            keys = _integers(name, values).astype(str) if values.dtype.kind in "iufb" else values
+        else:
+            keys = _integers(name, values)
+        indices = pd.Index(list(labels), dtype=object if isinstance(labels[0], str) else np.int64).get_indexer(keys)
+        indices = np.asarray(indices, dtype=np.int64)
+        outside = indices < 0
+        declared = f"the labels {list(labels)}" if len(labels) <= 10 else f"{len(labels)} declared labels"
+    if outside.any():
+        first = values[int(np.argmax(outside))]
+        raise ValidationError(
+            name, f"{int(outside.sum())} row(s) hold an action outside the declared set {declared}, e.g. "
+            f"{first.item() if isinstance(first, np.generic) else first!r}: fix or drop those rows, or declare the set that includes it (the action set is "
+            "public: declare the actions that can be taken, not the ones that were logged)"
+        )
+    return indices
+
+
+def logged_action_values(source: Any, action: str) -> list:
+    """The distinct values of the ``action`` column, sorted: what the rows logged (CURATOR-ONLY).
+
+    This is an inspection of private data (``dporl data inspect``): it may change when one unit is added or removed,
+    so it is never an input of a private run. Declare the action set you mean (``read_table(..., actions=...)``).
+    """
+    import pandas as pd
+
+    table = _Table(source)
+    table.load([action])
+    values = table[action]
+    if values.dtype.kind == "f":
+        values = _integers(action, values)
+    uniques = pd.unique(values)
+    try:
+        return sorted(uniques.tolist())
+    except TypeError:  # mixed types: sort by their text
+        return sorted(uniques.tolist(), key=str)
+
+
 # ---------------------------------------------------------------------------------------------------- import
 def read_table(
     source: Any,
@@ -231,13 +296,13 @@ def read_table(
     observations: Columns,
     action: str,
     reward: str,
+    actions: Any = None,
     step: Optional[str] = None,
     terminated: Optional[str] = None,
     truncated: Optional[str] = None,
     next_observations: Optional[Columns] = None,
     propensity: Optional[str] = None,
     propensity_kind: Literal["prob", "log_prob"] = "prob",
-    n_actions: Optional[int] = None,
     env_id: Optional[str] = None,
     extra: Optional[Mapping[str, Any]] = None,
     progress: bool = True,
@@ -246,10 +311,12 @@ def read_table(
 
     ``observations`` / ``next_observations``: a list of numeric columns, or a string naming one column or else a
     prefix of columns (in table order). ``propensity``: the behaviour policy's probability of the logged action
-    (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``n_actions``: declare it (public);
-    by default the largest logged action + 1. ``env_id``: the simulator's id if one exists. ``progress``: a bar over
+    (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``actions`` (required, public): the
+    declared action set, a count or a list of labels (module docstring); a row whose action lies outside it is refused
+    at import, before anything is written. ``env_id``: the simulator's id if one exists. ``progress``: a bar over
     the import's phases for large tables (over ``PROGRESS_BYTES`` on disk or ``PROGRESS_ROWS`` rows).
     """
+    n_actions, action_labels = action_set(actions)  # refused by name before the file is opened
     if propensity_kind not in ("prob", "log_prob"):
         raise ValidationError("propensity_kind", f"expected 'prob' or 'log_prob', got {propensity_kind!r}")
     for name, value in (("episode", episode), ("unit", unit), ("action", action), ("reward", reward)):
@@ -389,13 +456,7 @@ def read_table(
     def transitions_of(values: np.ndarray) -> np.ndarray:
         return values if kept is None else values[kept]
 
-    actions = _integers(action, column(action))
-    if actions.size and actions.min() < 0:
-        raise ValidationError(action, f"actions must be >= 0, found {int(actions.min())}")
-    if n_actions is None:
-        n_actions = int(actions.max()) + 1
-    elif actions.max() >= n_actions:
-        raise ValidationError(action, f"actions must lie in [0, {n_actions}), found {int(actions.max())}")
+    actions = _action_indices(action, column(action), n_actions, action_labels)
     rewards = _numeric(reward, column(reward))
 
     log_probs = None
@@ -453,6 +514,7 @@ def read_table(
         extra={**dict(extra or {}), "import": summary},
         unit_column=unit,
         unit_keys=tuple(unit_keys),
+        action_labels=action_labels,
     )
     return TrajectoryDataset(
         observations=obs,
@@ -470,7 +532,8 @@ def read_table(
 
 def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, unit: str = "unit"):
     """One row per transition (the inverse of ``read_table``): episode, ``unit`` (the unit key), step, obs_0..,
-    action, reward, terminated, truncated, optionally next_obs_0.. and log_propensity. For writing example tables."""
+    action (its declared label when the dataset has labels), reward, terminated, truncated, optionally next_obs_0.. and
+    log_propensity. For writing example tables."""
     import pandas as pd
 
     t = dataset.transitions()
@@ -478,7 +541,9 @@ def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, uni
     frame = {"episode": t.episode_ids, unit: keys[t.expert_ids], "step": t.timesteps}
     obs = t.obs.reshape(len(t), -1)
     frame.update({f"obs_{j}": obs[:, j] for j in range(obs.shape[1])})
-    frame.update(action=t.actions, reward=t.rewards, terminated=t.terminated, truncated=t.truncated)
+    labels = dataset.metadata.action_labels
+    actions = t.actions if labels is None else np.asarray(labels)[t.actions]
+    frame.update(action=actions, reward=t.rewards, terminated=t.terminated, truncated=t.truncated)
     if next_observations:
         nxt = t.next_obs.reshape(len(t), -1)
         frame.update({f"next_obs_{j}": nxt[:, j] for j in range(nxt.shape[1])})
@@ -590,4 +655,5 @@ def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
     return dataset.replace(expert_ids=ids, metadata=DatasetMetadata.from_dict(meta))
 
 
-__all__ = ["DEFAULT_ENV_ID", "import_summary", "read_minari", "read_table", "to_frame", "with_unit"]
+__all__ = ["DEFAULT_ENV_ID", "import_summary", "logged_action_values", "read_minari", "read_table", "to_frame",
+           "with_unit"]

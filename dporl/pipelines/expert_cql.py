@@ -402,6 +402,10 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
         algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit=dataset_unit(dataset))
     evaluate, env = (returns_evaluator(config.eval, env_id, config.trainer.progress) if env_id is not None else
                      (None, None))
+    if env is not None and getattr(env.single_action_space, "n", meta.n_actions) != meta.n_actions:
+        env.close()  # both are public declarations: refused before anything is written
+        raise ValidationError("dataset.metadata.n_actions", f"the data declare {meta.n_actions} actions, the "
+                              f"simulator {env_id!r} has {env.single_action_space}")
     _announce_evaluation(config, env_id, plan, meta.env_id)
     try:
         run.begin()
@@ -541,6 +545,7 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, exper
         privacy={"guarantee": privacy["guarantee"], "void": privacy["void"], "text": privacy["text"]},
         extra={"pipeline": "expert_cql", "method": config.method, "max_episode_steps": config.eval.max_episode_steps,
                **({"offline_evaluation": offline} if offline is not None else {})},
+        action_labels=meta.action_labels,  # declared (public), like the action count
     )
     evaluation = ({"mode": "simulator", "env_id": env_id} if env is not None else
                   {"mode": "offline", "composition": plan.composition, **offline} if offline is not None else
