@@ -64,6 +64,15 @@ def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
     return 0
 
 
+CURATOR_LABEL = "curator-only (covered by no guarantee; never share)"
+
+
+def curator_note(text: str) -> None:
+    """Tell the curator something about the private data: on stderr, labelled, never on the stdout that ends with the
+    guarantee (what a run prints there is public: functions of the config and of accounted releases)."""
+    print(f"{CURATOR_LABEL}: {text}", file=sys.stderr)
+
+
 def outcome_text(result: Any) -> str:
     """What a person reads at the end of a run: a few scalar facts, the headline metrics, then the guarantee."""
     if not isinstance(result, dict):
