@@ -270,7 +270,9 @@ def describe_dataset(summary: dict) -> str:
     imported = summary.get("import")
     if imported:
         lines.append(f"  import: {imported['rows']} rows, {imported['dropped_truncated_steps']} truncated last steps "
-                     f"dropped (no next state), {imported['terminal_placeholders']} terminal placeholders")
+                     f"dropped (no next state), {imported['terminal_placeholders']} terminal placeholders, "
+                     f"{imported.get('dropped_out_of_set_episodes', 0)} episodes dropped (an action outside the "
+                     "declared set)")
     lines.append("CURATOR-ONLY: these counts describe private data; they are not covered by any privacy guarantee. "
                  "Never publish them.")
     return "\n".join(lines)

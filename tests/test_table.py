@@ -149,6 +149,25 @@ def test_action_labels_map_to_indices_in_declared_order_and_survive_save_and_to_
     assert plain.metadata.action_labels is None and "action_labels" not in plain.metadata.to_dict()
 
 
+def test_an_episode_with_an_action_outside_the_declared_set_is_dropped_whole_never_refused(capsys):
+    # Units a (episodes 1, 2) and b (episode 3): episode 2 logs action 2 once, episode 3 logs action -1.
+    frame = pd.DataFrame({"ep": [1, 1, 2, 2, 3], "u": ["a", "a", "a", "a", "b"], "x": [0.0, 1, 2, 3, 4],
+                          "a": [0, 1, 1, 2, -1], "r": [1.0, 0, 0, 1, 0]})
+    dataset = read_table(frame, episode="ep", unit="u", observations="x", action="a", actions=2, reward="r")
+    # Episode 1 intact; episode 2 gone whole (no row glued across the gap); unit b gone with its only episode.
+    assert list(dataset.episode_lengths) == [2] and dataset.metadata.unit_keys == ("a",)
+    np.testing.assert_array_equal(dataset.actions, [0, 1])
+    assert import_summary(dataset)["dropped_out_of_set_episodes"] == 2
+    err = capsys.readouterr().err
+    assert err.startswith("curator-only") and "dropped 2 episode(s)" in err
+    # Dropping depends on each unit's own rows: without unit b's episode the import is the same dataset's.
+    without_b = read_table(frame[frame["u"] == "a"], episode="ep", unit="u", observations="x", action="a",
+                           actions=2, reward="r")
+    assert without_b.fingerprint() != dataset.fingerprint()  # the import summary's counts differ (curator-only) ...
+    for name in ("observations", "actions", "rewards", "episode_lengths", "expert_ids"):  # ... the data do not
+        np.testing.assert_array_equal(getattr(without_b, name), getattr(dataset, name))
+
+
 def _q_targets_with_placeholder(dataset, value, algorithm):
     t = dataset.transitions().to_torch()
     next_obs = t["next_obs"].clone()
@@ -211,13 +230,13 @@ def _edit(column, values):
     (_edit("u", [1.0, 1.0, 1.0, np.nan, np.nan]), {}, "u", "NaN/inf"),
     (_edit("r", [0.0, np.inf, 0, 1, 0]), {}, "r", "NaN/inf"),
     (_edit("a", [0, 1.5, 0, 1, 1]), {}, "a", "expected integers"),
-    (_edit("a", [0, 1, -1, 1, 1]), {}, "a", "outside the declared set 0..1"),
-    (_base(), {"actions": 1}, "a", r"3 row\(s\) hold an action outside the declared set 0..0 \(actions=1\), e.g. 1:"),
+    (_base(), {"actions": 1}, "a", r"every episode holds an action outside the declared set 0..0 \(actions=1\) "
+                                   r"\(e.g. 1\)"),
     (_base(), {"actions": None}, "actions", "declare the action set"),
     (_base(), {"actions": ["x", "x"]}, "actions", "distinct"),
     (_base(), {"actions": ["x", 1]}, "actions", "all strings or all integers"),
     (_base(), {"actions": 0}, "actions", "count"),
-    (_edit("a", ["x", "y", "x", "y", "z"]), {"actions": ["x", "y"]}, "a", r"1 row\(s\) .* e.g. 'z'"),
+    (_edit("a", ["x", "y", "x", "z", "z"]), {"actions": ["w"]}, "a", r"every episode .* \['w'\] \(e.g. 'x'\)"),
     (_edit("a", ["x", "y", "x", "y", "y"]), {}, "a", "expected numbers"),
     (_edit("step", [0, 2, 1, 0, 1]), {}, "step", "step"),
     (_edit("step", [0, 1, 1, 0, 1]), {}, "step", "duplicated"),

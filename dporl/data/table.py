@@ -27,21 +27,25 @@ What the importer decides, so that no algorithm ever reads an invented state as 
   consumer masks (``1 - terminated``; see ``dporl.data.dataset``).
 - A truncated last step needs a next state. With ``next_observations`` columns it comes from them; without them the
   step is dropped (its observation becomes the episode's final state) and the import summary counts it. An episode
-  left with no step is an error, never silently dropped (it would change which rows a unit owns).
+  left with no step is malformed (an error: give its next state or drop it yourself).
 - With ``next_observations`` columns, each non-final row's next state must equal the following row's state.
 
-Every refusal is a ``ValidationError`` naming the column: a missing column, a non-numeric or missing value, NaN or
-inf, an action outside the declared set, an unsorted / duplicated / skipped step, an episode split across units,
-a misplaced end flag, a propensity outside (0, 1] (or a log-propensity > 0), an episode with no usable step.
+Values outside a declared set are brought into the run's domain, never refused: an episode holding an action
+outside the declared action set is dropped whole (its unit keeps its other episodes; a unit left with none is
+absent), and ``metadata.extra["import"]["dropped_out_of_set_episodes"]`` and a labelled stderr line tell the curator.
+Dropping depends on each unit's own rows only, so it maps neighbouring datasets (add/remove one unit) to
+neighbouring (or equal) datasets and every guarantee downstream holds for the data as given; a refusal would instead
+turn one unit's rare action into an error where its neighbour gets a release. (A row cannot be dropped alone: it
+would glue two non-adjacent states into one transition.)
 
-Why refusing data that break these rules is sound. The import is the curator's data validation: it runs on the
-curator's machine before any run directory, ledger or release exists, and its error reaches the curator only.
-A guarantee is a statement about the mechanism on datasets of its declared domain (these columns, this action set,
-finite values); a table outside that domain is not an input of any mechanism, and a refused import releases
-nothing. The curator fixes (or drops) the offending rows and imports again: that cleaning is theirs, and the
-guarantee covers the run on the cleaned data. What must not happen, and does not, is a refusal after a run has
-started or one computed from values only a mechanism may see: every check here reads the rows against public
-declarations (the action set, the column mapping), and runs before anything is written.
+Malformed data are refused, each with a ``ValidationError`` naming the column: a missing column, a non-numeric or
+missing value, NaN or inf, an action value that is no action at all (a fraction; text where a count is declared),
+an unsorted / duplicated / skipped step, an episode split across units, a misplaced end flag, a propensity outside
+(0, 1] (or a log-propensity > 0), an episode with no usable step. That refusal is the curator's data validation: it
+runs on the curator's machine before any run directory, ledger or release exists and reaches the curator only; a
+refused import releases nothing, and the guarantee is stated for the well-formed tables a run accepts. The curator
+repairs the table and imports again. What does not happen is a refusal after a run has started, or one against a
+value that only a mechanism may see.
 
 The unit column's values become ``metadata.unit_keys`` (strings) and ``metadata.unit_column`` names the column, so
 every sampler groups by the user's unit and every split by unit is a function of the user's id
@@ -62,6 +66,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import numpy as np
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset, action_set
+from dporl.utils.io import curator_note
 from dporl.utils.validation import ValidationError
 
 Columns = str | Sequence[str]
@@ -143,6 +148,10 @@ class _Table:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._arrays[name]
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep only the rows where ``rows`` (a boolean mask) is True, in every loaded column."""
+        self._arrays = {name: values[rows] for name, values in self._arrays.items()}
 
 
 def _column_array(column: Any) -> np.ndarray:
@@ -240,31 +249,25 @@ def _factorize(values: np.ndarray, *, sort: bool) -> tuple[np.ndarray, np.ndarra
 
 
 def _action_indices(name: str, values: np.ndarray, n_actions: int, labels: Optional[tuple]) -> np.ndarray:
-    """Every row's action index in the declared set (a count: the integers 0..n-1; labels: label i -> i). A value
-    outside the set is refused (the module docstring says why a refusal at import is sound)."""
+    """Every row's action index in the declared set (a count: the integers 0..n-1; labels: label i -> i), -1 for a
+    value outside it. A value that is no action at all (NaN, a fraction, text for a count) is refused."""
     import pandas as pd
 
     if labels is None:
         indices = _integers(name, values)
-        outside = (indices < 0) | (indices >= n_actions)
-        declared = f"0..{n_actions - 1} (actions={n_actions})"
+        return np.where((indices >= 0) & (indices < n_actions), indices, -1)
+    if isinstance(labels[0], str):  # text labels; a numeric column is matched by its integers' decimal text
+        keys = _integers(name, values).astype(str) if values.dtype.kind in "iufb" else values
+        index = pd.Index(list(labels), dtype=object)
     else:
-        if isinstance(labels[0], str):  # text labels; a numeric column is matched by its integers' decimal text
-            keys = _integers(name, values).astype(str) if values.dtype.kind in "iufb" else values
-        else:
-            keys = _integers(name, values)
-        indices = pd.Index(list(labels), dtype=object if isinstance(labels[0], str) else np.int64).get_indexer(keys)
-        indices = np.asarray(indices, dtype=np.int64)
-        outside = indices < 0
-        declared = f"the labels {list(labels)}" if len(labels) <= 10 else f"{len(labels)} declared labels"
-    if outside.any():
-        first = values[int(np.argmax(outside))]
-        raise ValidationError(
-            name, f"{int(outside.sum())} row(s) hold an action outside the declared set {declared}, e.g. "
-            f"{first.item() if isinstance(first, np.generic) else first!r}: fix or drop those rows, or declare the set that includes it (the action set is "
-            "public: declare the actions that can be taken, not the ones that were logged)"
-        )
-    return indices
+        keys, index = _integers(name, values), pd.Index(list(labels), dtype=np.int64)
+    return np.asarray(index.get_indexer(keys), dtype=np.int64)
+
+
+def _describe_set(n_actions: int, labels: Optional[tuple]) -> str:
+    if labels is None:
+        return f"0..{n_actions - 1} (actions={n_actions})"
+    return f"the labels {list(labels)}" if len(labels) <= 10 else f"{len(labels)} declared labels"
 
 
 def logged_action_values(source: Any, action: str) -> list:
@@ -312,8 +315,8 @@ def read_table(
     ``observations`` / ``next_observations``: a list of numeric columns, or a string naming one column or else a
     prefix of columns (in table order). ``propensity``: the behaviour policy's probability of the logged action
     (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``actions`` (required, public): the
-    declared action set, a count or a list of labels (module docstring); a row whose action lies outside it is refused
-    at import, before anything is written. ``env_id``: the simulator's id if one exists. ``progress``: a bar over
+    declared action set, a count or a list of labels (module docstring); an episode holding an action outside it is
+    dropped (counted in the import summary, curator-only). ``env_id``: the simulator's id if one exists. ``progress``: a bar over
     the import's phases for large tables (over ``PROGRESS_BYTES`` on disk or ``PROGRESS_ROWS`` rows).
     """
     n_actions, action_labels = action_set(actions)  # refused by name before the file is opened
@@ -343,6 +346,23 @@ def read_table(
     for name in (episode, unit):
         if table[name].dtype.kind == "f":
             _numeric(name, table[name])  # a NaN id would silently start an episode (or a unit) of its own
+    # The declared action set: an episode holding an action outside it is dropped whole (module docstring).
+    action_codes = _action_indices(action, table[action], n_actions, action_labels)
+    n_dropped_episodes = 0
+    if np.any(action_codes < 0):
+        import pandas as pd
+
+        outside_ids = pd.unique(ids[action_codes < 0])
+        keep = pd.Index(outside_ids).get_indexer(ids) < 0
+        if not keep.any():
+            first = table[action][int(np.argmax(action_codes < 0))]
+            raise ValidationError(
+                action, f"every episode holds an action outside the declared set {_describe_set(n_actions, action_labels)}"
+                f" (e.g. {first.item() if isinstance(first, np.generic) else first!r}): is the set declared right?"
+            )
+        n_dropped_episodes = len(outside_ids)
+        table.select(keep)
+        action_codes, ids, n_rows = action_codes[keep], table[episode], int(keep.sum())
     order = None
     if ids.dtype.kind in "iuf" and not np.any(ids[1:] < ids[:-1]):
         episode_codes = ids
@@ -456,7 +476,7 @@ def read_table(
     def transitions_of(values: np.ndarray) -> np.ndarray:
         return values if kept is None else values[kept]
 
-    actions = _action_indices(action, column(action), n_actions, action_labels)
+    actions = action_codes if order is None else action_codes[order]
     rewards = _numeric(reward, column(reward))
 
     log_probs = None
@@ -488,6 +508,9 @@ def read_table(
     # else: zeros already (terminal placeholders)
 
     phases.close()
+    if n_dropped_episodes:
+        curator_note(f"read_table dropped {n_dropped_episodes} episode(s) holding an action outside the declared set "
+                     f"{_describe_set(n_actions, action_labels)} (metadata.extra['import'] counts them)")
     term_out = np.zeros(int(transition_lengths.sum()), dtype=bool)
     trunc_out = np.zeros_like(term_out)
     new_lasts = np.cumsum(transition_lengths) - 1
@@ -499,6 +522,7 @@ def read_table(
         "units": len(unit_keys),
         "transitions": int(transition_lengths.sum()),
         "dropped_truncated_steps": n_dropped,
+        "dropped_out_of_set_episodes": n_dropped_episodes,
         "terminal_placeholders": int(ends_terminated.sum()),
         "columns": {
             "episode": episode, "unit": unit, "observations": obs_names, "action": action, "reward": reward,

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from dporl.utils.io import CURATOR_LABEL, curator_note  # noqa: F401  (re-exported for the pipelines)
 from dporl.utils.validation import ValidationError
 
 
@@ -62,15 +63,6 @@ def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
         return 2
     print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0
-
-
-CURATOR_LABEL = "curator-only (covered by no guarantee; never share)"
-
-
-def curator_note(text: str) -> None:
-    """Tell the curator something about the private data: on stderr, labelled, never on the stdout that ends with the
-    guarantee (what a run prints there is public: functions of the config and of accounted releases)."""
-    print(f"{CURATOR_LABEL}: {text}", file=sys.stderr)
 
 
 def outcome_text(result: Any) -> str:

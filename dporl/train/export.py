@@ -138,7 +138,12 @@ def save_policy(
     with warnings.catch_warnings():  # torch 2.13 deprecates torch.jit; the file is still what libtorch loads
         warnings.simplefilter("ignore", DeprecationWarning)
         scripted = torch.jit.script(_ScriptedGreedy(policy.q_network))
-        atomic_write(directory / TORCHSCRIPT_FILE, lambda tmp: scripted.save(str(tmp)))
+
+        def save(tmp: Path) -> None:  # through a handle: no temporary file name inside the archive
+            with open(tmp, "wb") as handle:
+                torch.jit.save(scripted, handle)
+
+        atomic_write(directory / TORCHSCRIPT_FILE, save)
     spec = {
         "format": POLICY_FORMAT,
         "version": POLICY_VERSION,
