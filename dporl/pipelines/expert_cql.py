@@ -70,7 +70,7 @@ from dporl.algos.stable_prefix import (
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
-from dporl.pipelines import Pipeline, get_pipeline, register
+from dporl.pipelines import Pipeline, curator_note, get_pipeline, register
 from dporl.pipelines.inputs import DataConfig, import_dataset, save_imported
 from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
@@ -265,6 +265,9 @@ def run_release(
         progress=config.trainer.progress,
     )
     result.save(run.release, run.curator)
+    if experts is not None and experts.repaired_queries:
+        curator_note(f"the release lifted {experts.repaired_queries} (expert, state) distributions below p_min to "
+                     "p_min (mixing with the uniform policy) instead of refusing them")
     public = result.summary()
     run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
     return result.stable, public
