@@ -220,7 +220,9 @@ def import_minari(
     data = _open(source, root)
     indices = data.episode_indices
     reader = data.storage.get_episodes(indices)  # a generator: one HDF5 read per episode
-    episodes = list(tqdm(reader, total=len(indices), desc="import Minari", unit="episode", disable=not progress))
+    # The bar shows a percentage only: the number of episodes is private (it reaches the curator's stderr anyway).
+    episodes = list(tqdm(reader, total=len(indices), desc="import Minari", disable=not progress,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}|"))
     stored = data.storage.metadata.get(DPORL_METADATA_KEY)
     if metadata is None and stored is not None:
         if n_experts is not None:
