@@ -590,3 +590,15 @@ def test_any_torch_q_network_works_through_the_opacus_mode():
         DPSGDEngine(learner(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=12, noise=NoiseSource(0))
     with pytest.raises(ValidationError, match="q_network"):  # the released-file format is for dporl's MLPs
         save_noisy_q(Path("/nonexistent/never_written.pt"), learner().function, {})
+
+
+def test_an_offline_dataset_declaring_other_sizes_than_the_environment_is_refused_before_anything_is_written(tmp_path):
+    from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+
+    episodes = [{"observations": np.zeros((3, 1), np.float32), "actions": np.array([0, 1]),
+                 "rewards": np.array([0.1, 0.2], np.float32), "terminated": True, "truncated": False, "expert_id": 0}]
+    path = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 3, 1, (1,))).save(tmp_path / "d.npz")
+    pipeline, config = _pipeline_config(tmp_path / "run", dataset=str(path), methods=["fnq"], epsilons=[1.0])
+    with pytest.raises(ValidationError) as info:
+        pipeline.run(config)
+    assert info.value.field == "dataset.metadata.n_actions" and not (tmp_path / "run").exists()

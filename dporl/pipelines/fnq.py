@@ -603,6 +603,12 @@ def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
     directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
     specs = plan(config)
     ctx = context(config)
+    if config.dataset is not None:  # declared sizes (public) must match the environment's before anything runs
+        meta = _dataset(config).metadata
+        if (meta.n_actions, int(np.prod(meta.obs_shape))) != (ctx.n_actions, ctx.obs_dim):
+            raise ValidationError("dataset.metadata.n_actions", f"the dataset declares {meta.n_actions} actions and "
+                                  f"{meta.obs_shape} observations; {config.env_id} has {ctx.n_actions} and "
+                                  f"{ctx.obs_dim}")
     for spec in specs:  # calibrations (and their refusals) before the first write
         if spec.method == "fnq_paper" and spec.epsilon is not None:
             if ctx.obs_dim != 1:
