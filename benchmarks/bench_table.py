@@ -61,8 +61,8 @@ def baseline(path: Path):
 def candidate(path: Path):
     from dporl.data.table import read_table
 
-    return read_table(path, episode="episode", unit="unit", observations="obs_", action="action", reward="reward",
-                      step="step", terminated="terminated", propensity="propensity")
+    return read_table(path, episode="episode", unit="unit", observations="obs_", action="action", actions=3,
+                      reward="reward", step="step", terminated="terminated", propensity="propensity")
 
 
 def main() -> None:

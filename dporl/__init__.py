@@ -5,8 +5,8 @@ The public surface, in the order a user meets it::
     import dporl
 
     data = dporl.read_table("stays.csv", episode="stay", unit="clinician", observations="obs_",
-                            action="action", reward="reward", propensity="propensity")
-    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)         # shapes and privacy unit from the data
+                            action="action", actions=2, reward="reward", propensity="propensity")
+    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)         # declared actions, unit from the data
     result = cql.fit(run_dir="runs/stays")                            # private CQL + private offline evaluation
     policy = dporl.load_policy(result.policy_dir)                     # plain torch: policy.act(obs)
 

@@ -2,8 +2,8 @@
 
     import dporl
     data = dporl.read_table("stays.csv", episode="stay", unit="clinician", observations="obs_",
-                            action="action", reward="reward", propensity="propensity")
-    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)   # obs dim, actions, unit: from the data
+                            action="action", actions=2, reward="reward", propensity="propensity")
+    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)   # obs dim, declared actions, unit: from the data
     result = cql.fit(run_dir="runs/stays")                      # private CQL + private evaluation, one ledger
     policy = dporl.load_policy(result.policy_dir)               # policy.act(obs); policy.save(dir)
 
@@ -98,7 +98,8 @@ class DiscreteCQLConfig:
         )
 
     def create(self, dataset: TrajectoryDataset) -> "PrivateCQL":
-        """The algorithm for ``dataset``: observation size, number of actions and privacy unit from its metadata."""
+        """The algorithm for ``dataset``: observation size, the declared action set and the privacy unit from its
+        metadata (an imported table declares its actions: ``read_table(..., actions=...)``)."""
         return PrivateCQL(self, dataset)
 
 

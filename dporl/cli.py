@@ -4,7 +4,8 @@
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --list) [--trials N] ...   (``python -m dporl.audit``)
-    dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL ...] [--json]
+    dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL
+                            --actions N|LABELS ...] [--json]
     dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]
 
 ``train``: run the pipeline a YAML config names. Overrides use dotted keys (``epsilon=1 trainer.max_steps=500``);
@@ -18,7 +19,8 @@ summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
 privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
 
 ``data inspect``: what a dataset file holds (episodes, units, actions, observation shape, unit column). It describes
-PRIVATE data: the output is curator-only information, never to be published.
+PRIVATE data: the output is curator-only information, never to be published. Without ``--actions`` it shows the
+action values the rows logged, the one place dporl infers them: a private run declares its action set instead.
 
 Every refusal (bad input, impossible budget) exits with status 2, names the field, and writes nothing.
 """
@@ -137,6 +139,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                              help=f"table: the {flag.replace('_', ' ')} column" +
                                   (" (or a prefix of columns)" if "observations" in flag else "") +
                                   ("; minari: the info key of the unit" if flag == "unit" else ""))
+    inspect.add_argument("--actions", default=None,
+                         help="table: the declared action set, a count (e.g. 3) or comma-separated labels (e.g. "
+                              "wait,treat), checked against the rows; default: the logged values (curator-only)")
     inspect.add_argument("--propensity-kind", choices=["prob", "log_prob"], default="prob")
     inspect.add_argument("--json", action="store_true")
     example = commands.add_parser(
@@ -182,9 +187,10 @@ def inspect_dataset(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from dporl.data.dataset import TrajectoryDataset
-    from dporl.data.table import import_summary, read_minari, read_table
+    from dporl.data.table import import_summary, logged_action_values, read_minari, read_table
 
     kind = _format_of(args)
+    inferred = False
     if kind == "npz":
         dataset = TrajectoryDataset.load(args.file)
     elif kind == "table":
@@ -194,7 +200,11 @@ def inspect_dataset(args: argparse.Namespace) -> dict:
             raise ValidationError(f"--{missing[0]}", "a table needs its column mapping: --episode, --unit, "
                                   "--observations, --action, --reward (and optional --step, --terminated, "
                                   "--truncated, --next-observations, --propensity)")
-        dataset = read_table(args.file, **mapping, propensity_kind=args.propensity_kind)
+        if args.actions is not None:
+            actions, inferred = parse_actions(args.actions), False
+        else:  # curator-only inference: what the rows logged (a private run must declare its set)
+            actions, inferred = inferred_action_set(logged_action_values(args.file, mapping["action"])), True
+        dataset = read_table(args.file, **mapping, actions=actions, propensity_kind=args.propensity_kind)
     else:
         if args.unit is None:
             raise ValidationError("--unit", "a Minari dataset needs the info key of its privacy unit")
@@ -211,12 +221,35 @@ def inspect_dataset(args: argparse.Namespace) -> dict:
         "unit_column": meta.unit_column or "expert_id (the logging expert)",
         "episodes_per_unit": {"min": int(per_unit.min()), "mean": float(per_unit.mean()), "max": int(per_unit.max())},
         "actions": meta.n_actions,
+        "action_labels": None if meta.action_labels is None else list(meta.action_labels),
+        "actions_inferred": inferred,
         "action_counts": dataset.summary()["action_counts"],
         "observation_shape": list(meta.obs_shape),
         "propensities": dataset.behavior_log_probs is not None,
         "env_id": meta.env_id,
         "import": import_summary(dataset),
     }
+
+
+def parse_actions(text: str):
+    """``--actions``: a count ("3") or comma-separated labels ("wait,treat"; integers where every label is one)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    labels = [label.strip() for label in text.split(",")]
+    if all(label.lstrip("-").isdigit() for label in labels):
+        return [int(label) for label in labels]
+    return labels
+
+
+def inferred_action_set(values: list):
+    """The set ``dporl data inspect`` shows when none is declared (curator-only): the count max + 1 for
+    non-negative integer actions (as a run declaring that count reads them), else the sorted logged labels."""
+    if values and all(isinstance(v, bool) for v in values):
+        return 2
+    if values and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        return max(values) + 1
+    return [str(v) for v in values] if not all(isinstance(v, int) for v in values) else values
 
 
 def describe_dataset(summary: dict) -> str:
@@ -226,14 +259,20 @@ def describe_dataset(summary: dict) -> str:
         f"  episodes: {summary['episodes']}  transitions: {summary['transitions']}",
         f"  units: {summary['units']} (column {summary['unit_column']}); episodes per unit: min {per_unit['min']}, "
         f"mean {per_unit['mean']:.3g}, max {per_unit['max']}",
-        f"  actions: {summary['actions']} (counts {summary['action_counts']})",
+        f"  actions: {summary['actions']}"
+        + (f" labelled {summary['action_labels']}" if summary.get("action_labels") else "")
+        + f" (counts {summary['action_counts']})"
+        + ("; INFERRED from the logged rows: a private run must declare its action set (columns.actions / "
+           "read_table(actions=...)), never take it from here" if summary.get("actions_inferred") else ""),
         f"  observation shape: {tuple(summary['observation_shape'])}",
         f"  propensities logged: {'yes' if summary['propensities'] else 'no'}; env id: {summary['env_id']}",
     ]
     imported = summary.get("import")
     if imported:
         lines.append(f"  import: {imported['rows']} rows, {imported['dropped_truncated_steps']} truncated last steps "
-                     f"dropped (no next state), {imported['terminal_placeholders']} terminal placeholders")
+                     f"dropped (no next state), {imported['terminal_placeholders']} terminal placeholders, "
+                     f"{imported.get('dropped_out_of_set_episodes', 0)} episodes dropped (an action outside the "
+                     "declared set)")
     lines.append("CURATOR-ONLY: these counts describe private data; they are not covered by any privacy guarantee. "
                  "Never publish them.")
     return "\n".join(lines)
@@ -254,7 +293,8 @@ def write_example(args: argparse.Namespace) -> dict:
     return {"wrote": str(out), "problem": args.problem, "units": args.units,
             "episodes_per_unit": args.episodes_per_unit, "seed": args.seed,
             "columns": "episode, clinician (the unit), step, obs_0.., action, reward, terminated, truncated, "
-                       "next_obs_0.., propensity"}
+                       "next_obs_0.., propensity",
+            "actions": "2 (0 = wait, 1 = treat): declare it (columns.actions: 2, read_table(..., actions=2))"}
 
 
 # ---------------------------------------------------------------------------------------------------- main

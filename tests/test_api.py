@@ -4,6 +4,7 @@ and the d3rlpy-like config (shapes and the privacy unit from the data)."""
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -107,6 +109,22 @@ def test_dporl_data_inspect_says_it_is_curator_only(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "units: 30 (column clinician)" in out and "episodes: 120" in out and "observation shape: (6,)" in out
     assert out.rstrip().splitlines()[-1].startswith("CURATOR-ONLY")
+    # The one place dporl infers an action set: said to be inferred, and not to be used for a private run.
+    assert "actions: 2 (counts" in out and "INFERRED from the logged rows" in out
+    mapping = ["--episode", "episode", "--unit", "clinician", "--observations", "obs_", "--action", "action",
+               "--reward", "reward"]
+    assert main(["data", "inspect", str(path), *mapping, "--actions", "3", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["actions"], summary["actions_inferred"], summary["action_counts"][2]) == (3, False, 0)
+    frame = pd.read_csv(path)
+    frame["action"] = np.where(frame["action"] == 1, "treat", "wait")
+    frame.to_csv(tmp_path / "labels.csv", index=False)
+    assert main(["data", "inspect", str(tmp_path / "labels.csv"), *mapping, "--json"]) == 0
+    inferred = json.loads(capsys.readouterr().out)
+    assert inferred["action_labels"] == ["treat", "wait"] and inferred["actions_inferred"]  # sorted logged values
+    assert main(["data", "inspect", str(tmp_path / "labels.csv"), *mapping, "--actions", "wait,treat", "--json"]) == 0
+    declared = json.loads(capsys.readouterr().out)
+    assert declared["action_labels"] == ["wait", "treat"] and declared["import"]["dropped_out_of_set_episodes"] == 0
     assert main(["data", "inspect", str(path), "--episode", "episode"]) == 2  # the mapping is incomplete
     assert "error: --unit" in capsys.readouterr().err
     assert main(["audit", "--list"]) == 0 and "dpsgd_step" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from dporl.algos.fnq import (
     EnvInteractionSource,
     FNQConfig,
     FunctionalNoiseQLearning,
+    RewardClamp,
     RewardLevelSource,
     RewardPrivateQLearning,
     dataset_source,
@@ -181,10 +182,11 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     methods = ["nonprivate", "random_policy", "untrained", "fnq", "fnq_paper", "input_perturbation", "dpsgd"]
     pipeline, config = _pipeline_config(tmp_path, methods=methods, epsilons=[0.9], delta=1e-4, reset_factors=[4])
     summary = pipeline.run(config)
-    rows = {row["label"]: row for row in summary["rows"]}
-    assert set(rows) == {"nonprivate", "random_policy", "untrained", "fnq_eps0.9", "fnq_paper_eps0.9",
-                         "input_perturbation_eps0.9", "dpsgd_eps0.9"}
     results = json.loads((tmp_path / "curator" / "results.json").read_text())
+    rows = {row["label"]: row for row in results["rows"]}
+    assert set(rows) == set(summary["guarantees"]) == {
+        "nonprivate", "random_policy", "untrained", "fnq_eps0.9", "fnq_paper_eps0.9", "input_perturbation_eps0.9",
+        "dpsgd_eps0.9"}
     runs = {r["label"]: r for r in results["runs"]}
     # The sound methods carry a GUARANTEE at the budget, unit "reward", neighbours by bounded change.
     for label in ("fnq_eps0.9", "input_perturbation_eps0.9", "dpsgd_eps0.9"):
@@ -206,14 +208,17 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     assert rows["fnq_paper_eps0.9"]["guarantee"].startswith("NO GUARANTEE")
     assert rows["nonprivate"]["guarantee"] == "NO GUARANTEE"
     assert rows["random_policy"]["guarantee"].startswith("data-free")
-    assert "90% of non-private" in summary["table"]
+    assert "90% of non-private" in (tmp_path / "curator" / "table.md").read_text()
+    # What the command line prints is public: the guarantees, never a return (computed from the protected rewards).
+    assert summary["guarantees"] == {label: row["guarantee"] for label, row in rows.items()}
+    assert not any("return" in str(key) or "table" in str(key) for key in summary)
     # Returns are computed from the protected rewards: curator-only, never in release/.
     run = tmp_path / "fnq_eps0.9" / "seed0"
     public = json.loads((run / "release" / "train_summary.json").read_text())
     curator = json.loads((run / "curator" / "train_summary.json").read_text())
     assert not any("return" in key for key in public["metrics"]) and "return/return_mean" in curator["metrics"]
     assert public["privacy"]["guarantee"]["unit"] == "reward"
-    assert (tmp_path / "curator" / "table.md").exists() and all(Path(p).exists() for p in summary["plots"])
+    assert (tmp_path / "curator" / "table.md").exists() and list((tmp_path / "curator").glob("*.png"))
     released, _ = load_noisy_q(tmp_path / "fnq_paper_eps0.9" / "seed0" / "release" / "released.pt")
     assert released.noise.sigma == pytest.approx(paper["sigma"])
     from dporl.train.checkpoint import load_checkpoint
@@ -486,8 +491,8 @@ def test_input_perturbation_accounting_counts_distinct_rewards_offline(tmp_path)
         run["privacy"]["reward_noise_std"] / math.sqrt(20)), "sample_rate": 1.0}, 1]]
 
 
-# ----------------------------------------------------------------------------- refusals
-def test_bad_rewards_are_refused_online_and_offline():
+# ----------------------------------------------------------------------------- rewards: clamped, not refused
+def test_rewards_outside_the_declared_range_are_clamped_and_counted_never_refused():
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
     class NanLine(LineEnv):
@@ -496,18 +501,27 @@ def test_bad_rewards_are_refused_online_and_offline():
             return obs, (float("nan") if self.t == 3 else reward), terminated, truncated, info
 
     learner = _sound_learner(hidden_sizes=[4])
-    with pytest.raises(ValidationError, match="rewards"):
-        EnvInteractionSource(NanLine(), learner.act, 8).sample(torch.Generator().manual_seed(0))
-    # A declared public range: the line's rewards lie in [0, 0.5], so a range of [0, 0.2] is violated.
-    with pytest.raises(ValidationError, match="declared public range"):
-        EnvInteractionSource(LineEnv(), learner.act, 64, reward_range=(0.0, 0.2)).sample(torch.Generator().manual_seed(0))
-    source = EnvInteractionSource(LineEnv(), learner.act, 64, reward_range=(0.0, 0.5))
-    assert source.sample(torch.Generator().manual_seed(0)).n_rows == 64
+    # NaN has no neighbour under sup |r - r'| <= 1 (RewardClamp's docstring): refused, with or without a range.
+    for reward_range in (None, (0.0, 1.0)):
+        with pytest.raises(ValidationError, match="rewards"):
+            EnvInteractionSource(NanLine(), learner.act, 8, reward_range=reward_range).sample(
+                torch.Generator().manual_seed(0))
+    # The line's rewards lie in [0, 0.5]: a declared range of [0, 0.2] clamps every larger one, and the run goes on.
+    # Rewards never steer the transitions (actions come from the network), so both sources see the same ones.
+    wide = EnvInteractionSource(LineEnv(), learner.act, 64, reward_range=(0.0, 0.5))
+    narrow_clamp = RewardClamp((0.0, 0.2))
+    narrow = EnvInteractionSource(LineEnv(), learner.act, 64, reward_range=narrow_clamp)
+    raw = wide.sample(torch.Generator().manual_seed(0)).data["rewards"]
+    clamped = narrow.sample(torch.Generator().manual_seed(0)).data["rewards"]
+    assert wide.reward_clamp.clamped == 0 and int((raw > 0.2).sum()) > 0
+    torch.testing.assert_close(clamped, raw.clamp(0.0, 0.2))
+    assert narrow_clamp.clamped == int((raw > 0.2).sum())
     episodes = [{"observations": np.zeros((3, 1), np.float32), "actions": np.array([0, 1]),
                  "rewards": np.array([0.1, 7.0], np.float32), "terminated": True, "truncated": False, "expert_id": 0}]
     dataset = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 2, 1, (1,)))
-    with pytest.raises(ValidationError, match="declared public range"):
-        dataset_source(dataset, 4, reward_range=(0.0, 1.0))
+    offline_clamp = RewardClamp((0.0, 1.0))
+    source = dataset_source(dataset, 4, reward_range=offline_clamp)
+    assert offline_clamp.clamped == 1 and sorted(source.data["rewards"].tolist()) == pytest.approx([0.1, 1.0])
     assert dataset_source(dataset, 4).n_rows == 2
     with pytest.raises(PrivacyBudgetError, match="n_rewards"):
         dataset_source(dataset, 4, GaussianRewardNoise(1.0, NoiseSource(0), n_rewards=1))
@@ -576,3 +590,15 @@ def test_any_torch_q_network_works_through_the_opacus_mode():
         DPSGDEngine(learner(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=12, noise=NoiseSource(0))
     with pytest.raises(ValidationError, match="q_network"):  # the released-file format is for dporl's MLPs
         save_noisy_q(Path("/nonexistent/never_written.pt"), learner().function, {})
+
+
+def test_an_offline_dataset_declaring_other_sizes_than_the_environment_is_refused_before_anything_is_written(tmp_path):
+    from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+
+    episodes = [{"observations": np.zeros((3, 1), np.float32), "actions": np.array([0, 1]),
+                 "rewards": np.array([0.1, 0.2], np.float32), "terminated": True, "truncated": False, "expert_id": 0}]
+    path = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 3, 1, (1,))).save(tmp_path / "d.npz")
+    pipeline, config = _pipeline_config(tmp_path / "run", dataset=str(path), methods=["fnq"], epsilons=[1.0])
+    with pytest.raises(ValidationError) as info:
+        pipeline.run(config)
+    assert info.value.field == "dataset.metadata.n_actions" and not (tmp_path / "run").exists()

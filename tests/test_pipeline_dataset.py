@@ -92,8 +92,9 @@ def test_train_cli_runs_the_quick_config_with_overrides(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "dataset: 2 episodes" in result.stdout
-    assert json.loads(result.stdout[result.stdout.index("{"):])["n_experts"] == 2  # --json: the whole summary
+    # The description of the logged data is curator-only: stderr, labelled; stdout is the JSON summary alone.
+    assert "curator-only" in result.stderr and "dataset: 2 episodes" in result.stderr
+    assert json.loads(result.stdout)["n_experts"] == 2  # --json: the whole summary
     assert TrajectoryDataset.load(tmp_path / "dataset.npz").n_episodes == 2
 
 

@@ -219,9 +219,9 @@ def test_fresh_release_never_evaluates_past_the_first_failed_query(cartpole):
     seen = []
 
     class Spy(ExpertSet):
-        def log_probs(self, states, experts=None):
+        def log_probs(self, states, experts=None, **kwargs):
             seen.append(torch.as_tensor(states).clone())
-            return super().log_probs(states, experts)
+            return super().log_probs(states, experts, **kwargs)
 
     spy = Spy(experts.policy, P_MIN, "argmax")
     out = release(data, spy, trajectories=12, expert_chunk=64, check_expert_set_hash=False, seed=3)
@@ -442,3 +442,23 @@ def test_logged_choice_uses_each_episode_at_most_once_per_trial():
         assert (trial == -1).sum() == 60 - len(used) >= 20
     assert not np.array_equal(episodes[0], episodes[1])  # trials are independent releases
     assert np.all(runs.lengths[runs.episodes == -1] == 0)
+
+
+def test_a_release_repairs_an_expert_below_p_min_instead_of_refusing_mid_run():
+    """An expert is one privacy unit: a release that refused when one expert's softmax dips below p_min would tell
+    that expert's presence by an error. The release lifts that (expert, state) to p_min by mixing with the uniform
+    policy (that expert alone; compliant ones untouched) and counts it, curator-only."""
+    from dporl.experts.policies import StackedLinearPolicy
+
+    weight = torch.zeros(3, 1, 2)
+    weight[2, 0] = torch.tensor([-20.0, 20.0])  # expert 2: pi(0 | s) = sigmoid(-40 s), far below p_min for s > 0.2
+    experts = ExpertSet(StackedLinearPolicy.from_weights(weight, torch.zeros(3, 2)), p_min=0.1, softening="none")
+    states = torch.tensor([[0.0], [1.0]])
+    with pytest.raises(ValidationError) as info:  # a direct query (the curator's own) still refuses
+        experts.log_probs(states)
+    assert info.value.field == "expert_set.p_min"
+    probs = experts.log_probs(states, repair=True).exp()
+    assert experts.repaired_queries == 1  # expert 2 at s = 1 only
+    torch.testing.assert_close(probs[:2], torch.full((2, 2, 2), 0.5))  # compliant experts: untouched
+    torch.testing.assert_close(probs[2, 0], torch.tensor([0.5, 0.5]))  # s = 0 complies: untouched
+    assert float(probs[2, 1].min()) == pytest.approx(0.1) and float(probs[2, 1].sum()) == pytest.approx(1.0)

@@ -16,7 +16,8 @@ from dporl.utils.validation import ValidationError
 
 from test_dataset import assert_same_dataset, make_dataset
 
-COLUMNS = dict(episode="episode", unit="unit", observations="obs_", action="action", reward="reward", step="step")
+COLUMNS = dict(episode="episode", unit="unit", observations="obs_", action="action", actions=3, reward="reward",
+               step="step")
 
 
 def logged_frame(seed=0, n_units=4, episodes_per_unit=3, max_len=6, obs_dim=3, n_actions=3):
@@ -44,9 +45,9 @@ def logged_frame(seed=0, n_units=4, episodes_per_unit=3, max_len=6, obs_dim=3, n
 def test_round_trip_through_a_table_keeps_every_transition(tmp_path):
     dataset, _ = make_dataset(seed=3, n_episodes=9)
     frame = to_frame(dataset, next_observations=True)
-    back = read_table(frame, **COLUMNS, terminated="terminated", truncated="truncated",
-                      next_observations="next_obs_", propensity="log_propensity", propensity_kind="log_prob",
-                      n_actions=dataset.metadata.n_actions)
+    back = read_table(frame, **{**COLUMNS, "actions": dataset.metadata.n_actions}, terminated="terminated",
+                      truncated="truncated", next_observations="next_obs_", propensity="log_propensity",
+                      propensity_kind="log_prob")
     # Units are re-keyed by the table's values; everything else is the same data (terminal next states: zeros).
     assert back.metadata.unit_column == "unit" and back.n_units == len(np.unique(dataset.expert_ids))
     ours, theirs = back.transitions(), dataset.transitions()
@@ -117,11 +118,54 @@ def test_truncated_last_step_without_next_state_is_dropped_and_counted():
 def test_interleaved_episodes_keep_their_row_order_and_default_end_is_terminal():
     frame = pd.DataFrame({"ep": [7, 8, 7, 8, 7], "who": [1, 2, 1, 2, 1], "s": [0.0, 10, 1, 11, 2],
                           "a": [0, 1, 1, 0, 1], "r": [1.0, 2, 3, 4, 5]})
-    dataset = read_table(frame, episode="ep", unit="who", observations="s", action="a", reward="r")
+    dataset = read_table(frame, episode="ep", unit="who", observations="s", action="a", actions=2, reward="r")
     assert list(dataset.episode_lengths) == [3, 2]
     np.testing.assert_array_equal(dataset.observations[:, 0], [0, 1, 2, 0, 10, 11, 0])
     np.testing.assert_array_equal(dataset.rewards, [1, 3, 5, 2, 4])
     assert dataset.terminations.sum() == 2 and import_summary(dataset)["terminal_placeholders"] == 2
+
+
+def test_action_labels_map_to_indices_in_declared_order_and_survive_save_and_to_frame(tmp_path):
+    frame = pd.DataFrame({"ep": [1, 1, 2, 2], "who": ["a", "a", "b", "b"], "s": [0.0, 1, 2, 3],
+                          "a": ["treat", "wait", "wait", "wait"], "r": [1.0, 0, 0, 1]})
+    # Declared order, not the order of first appearance or of sorting: "wait" is 0 although "treat" comes first.
+    dataset = read_table(frame, episode="ep", unit="who", observations="s", action="a", actions=["wait", "treat"],
+                         reward="r")
+    np.testing.assert_array_equal(dataset.actions, [1, 0, 0, 0])
+    assert dataset.metadata.n_actions == 2 and dataset.metadata.action_labels == ("wait", "treat")
+    # A declared label no row logged is part of the set all the same (the set is public, not observed).
+    wider = read_table(frame, episode="ep", unit="who", observations="s", action="a",
+                       actions=["wait", "treat", "refer"], reward="r")
+    assert wider.metadata.n_actions == 3 and wider.summary()["action_counts"] == [3, 1, 0]
+    back = TrajectoryDataset.load(dataset.save(tmp_path / "d.npz"))
+    assert back.metadata.action_labels == ("wait", "treat") and back.fingerprint() == dataset.fingerprint()
+    assert to_frame(back)["action"].tolist() == ["treat", "wait", "wait", "wait"]
+    # Integer labels (e.g. codes 10 / 20) map the same way; 0..n-1 as labels is just the count.
+    coded = frame.assign(a=[20, 10, 10, 10])
+    codes = read_table(coded, episode="ep", unit="who", observations="s", action="a", actions=[10, 20], reward="r")
+    np.testing.assert_array_equal(codes.actions, [1, 0, 0, 0])
+    plain = read_table(coded.assign(a=[1, 0, 0, 0]), episode="ep", unit="who", observations="s", action="a",
+                       actions=[0, 1], reward="r")
+    assert plain.metadata.action_labels is None and "action_labels" not in plain.metadata.to_dict()
+
+
+def test_an_episode_with_an_action_outside_the_declared_set_is_dropped_whole_never_refused(capsys):
+    # Units a (episodes 1, 2) and b (episode 3): episode 2 logs action 2 once, episode 3 logs action -1.
+    frame = pd.DataFrame({"ep": [1, 1, 2, 2, 3], "u": ["a", "a", "a", "a", "b"], "x": [0.0, 1, 2, 3, 4],
+                          "a": [0, 1, 1, 2, -1], "r": [1.0, 0, 0, 1, 0]})
+    dataset = read_table(frame, episode="ep", unit="u", observations="x", action="a", actions=2, reward="r")
+    # Episode 1 intact; episode 2 gone whole (no row glued across the gap); unit b gone with its only episode.
+    assert list(dataset.episode_lengths) == [2] and dataset.metadata.unit_keys == ("a",)
+    np.testing.assert_array_equal(dataset.actions, [0, 1])
+    assert import_summary(dataset)["dropped_out_of_set_episodes"] == 2
+    err = capsys.readouterr().err
+    assert err.startswith("curator-only") and "dropped 2 episode(s)" in err
+    # Dropping depends on each unit's own rows: without unit b's episode the import is the same dataset's.
+    without_b = read_table(frame[frame["u"] == "a"], episode="ep", unit="u", observations="x", action="a",
+                           actions=2, reward="r")
+    assert without_b.fingerprint() != dataset.fingerprint()  # the import summary's counts differ (curator-only) ...
+    for name in ("observations", "actions", "rewards", "episode_lengths", "expert_ids"):  # ... the data do not
+        np.testing.assert_array_equal(getattr(without_b, name), getattr(dataset, name))
 
 
 def _q_targets_with_placeholder(dataset, value, algorithm):
@@ -166,7 +210,8 @@ def _base():
 
 
 def _read(frame, **kw):
-    args = dict(episode="ep", unit="u", observations=["x"], action="a", reward="r", step="step", terminated="done")
+    args = dict(episode="ep", unit="u", observations=["x"], action="a", actions=2, reward="r", step="step",
+                terminated="done")
     args.update(kw)
     return read_table(frame, **args)
 
@@ -185,8 +230,13 @@ def _edit(column, values):
     (_edit("u", [1.0, 1.0, 1.0, np.nan, np.nan]), {}, "u", "NaN/inf"),
     (_edit("r", [0.0, np.inf, 0, 1, 0]), {}, "r", "NaN/inf"),
     (_edit("a", [0, 1.5, 0, 1, 1]), {}, "a", "expected integers"),
-    (_edit("a", [0, 1, -1, 1, 1]), {}, "a", ">= 0"),
-    (_base(), {"n_actions": 1}, "a", r"\[0, 1\)"),
+    (_base(), {"actions": 1}, "a", r"every episode holds an action outside the declared set 0..0 \(actions=1\) "
+                                   r"\(e.g. 1\)"),
+    (_base(), {"actions": None}, "actions", "declare the action set"),
+    (_base(), {"actions": ["x", "x"]}, "actions", "distinct"),
+    (_base(), {"actions": ["x", 1]}, "actions", "all strings or all integers"),
+    (_base(), {"actions": 0}, "actions", "count"),
+    (_edit("a", ["x", "y", "x", "z", "z"]), {"actions": ["w"]}, "a", r"every episode .* \['w'\] \(e.g. 'x'\)"),
     (_edit("a", ["x", "y", "x", "y", "y"]), {}, "a", "expected numbers"),
     (_edit("step", [0, 2, 1, 0, 1]), {}, "step", "step"),
     (_edit("step", [0, 1, 1, 0, 1]), {}, "step", "duplicated"),

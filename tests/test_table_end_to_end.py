@@ -34,7 +34,7 @@ def test_csv_to_private_policy_and_its_private_value_in_one_ledger(tmp_path):
     frame.to_csv(tmp_path / "stays.csv", index=False)
 
     dataset = read_table(tmp_path / "stays.csv", episode="episode", unit="clinician", observations="obs_",
-                         action="action", reward="reward", step="step", terminated="terminated",
+                         action="action", actions=2, reward="reward", step="step", terminated="terminated",
                          truncated="truncated", next_observations="next_obs_", propensity="propensity")
     assert dataset.n_units == 600 and dataset.metadata.unit_keys[0] == "c0"
 

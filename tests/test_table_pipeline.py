@@ -28,7 +28,7 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAIN = TreatmentChain()
-COLUMNS = dict(episode="episode", unit="clinician", observations="obs_", action="action", reward="reward",
+COLUMNS = dict(episode="episode", unit="clinician", observations="obs_", action="action", actions=2, reward="reward",
                terminated="terminated", truncated="truncated", next_observations="next_obs_")
 torch.set_num_threads(1)
 
@@ -54,7 +54,7 @@ def small(**changes):
 def test_csv_to_private_policy_through_the_python_api(csv, tmp_path, capsys):
     data = dporl.read_table(csv, **COLUMNS)
     cql = small(noise_seed=11).create(data)
-    assert (cql.observation_size, cql.n_actions, cql.unit.column) == (6, 2, "clinician")  # from the data
+    assert (cql.observation_size, cql.n_actions, cql.unit.column) == (6, 2, "clinician")  # declared / from the data
     result = cql.fit(run_dir=tmp_path / "run")
     out = capsys.readouterr().out
     assert out.startswith("no simulator: 'offline-table' is not a registered Gymnasium environment")
@@ -195,7 +195,8 @@ def test_a_bad_table_exits_2_from_the_command_and_writes_nothing(tmp_path, capsy
     frame.to_csv(tmp_path / "bad.csv", index=False)
     config = {"pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / "run"),
               "data": {"format": "table", "path": str(tmp_path / "bad.csv"),
-                       "columns": {k: COLUMNS[k] for k in ("episode", "unit", "observations", "action", "reward")}}}
+                       "columns": {k: COLUMNS[k] for k in ("episode", "unit", "observations", "action", "actions",
+                                                           "reward")}}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
     assert capsys.readouterr().err.startswith("error: reward: 1 NaN/inf value(s)")

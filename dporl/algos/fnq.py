@@ -29,7 +29,8 @@ iterates, of the paths themselves and of the environment's reward-independent dy
 
 Data: ``EnvInteractionSource`` is the online loop (``env_steps_per_update`` new transitions per update, acting
 greedily on Q + g, optionally through a replay buffer); ``dataset_source`` is the offline variant (uniform minibatches
-of logged transitions). Rewards are refused when non-finite or outside a declared public range (``check_rewards``).
+of logged transitions). Rewards outside a declared public range are clamped into it, never refused (``RewardClamp``:
+a refusal would turn a neighbour's out-of-range reward into an error where the other dataset gets a release).
 """
 
 from __future__ import annotations
@@ -92,18 +93,39 @@ class FNQConfig:
         return min(1.0 / self.reward_scale, 2.0 * self.td_clip)
 
 
-def check_rewards(rewards: torch.Tensor, reward_range: Optional[tuple[float, float]] = None) -> torch.Tensor:
-    """Refuse non-finite rewards, and rewards outside ``reward_range`` when a public range is declared."""
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValidationError("rewards", "non-finite reward (NaN or inf): the mechanism's sensitivity assumes finite rewards")
-    if reward_range is not None:
-        low, high = reward_range
-        if rewards.numel() and (float(rewards.min()) < low or float(rewards.max()) > high):
-            raise ValidationError(
-                "rewards", f"reward outside the declared public range [{low:g}, {high:g}] "
-                f"(observed [{float(rewards.min()):g}, {float(rewards.max()):g}])"
-            )
-    return rewards
+class RewardClamp:
+    """Rewards mapped into the declared public ``reward_range`` [low, high] by clamping, never refused.
+
+    A refusal on an out-of-range reward is a deterministic distinguisher: a neighbour whose rewards leave the range
+    gets an error where the other dataset gets a release. Clamping is 1-Lipschitz, so two reward functions with
+    sup |r - r'| <= 1 are still neighbours after it and every analysis downstream holds unchanged. ``clamped``
+    counts the rewards moved: a function of the private rewards, so it is CURATOR-ONLY (the pipeline writes it under
+    ``curator/``; never into ``release/`` or the stdout that ends with the guarantee).
+
+    Non-finite rewards are refused, and that refusal distinguishes no neighbours: the reward-level relation relates
+    real-valued reward functions (|NaN - x| <= 1 and |inf - x| <= 1 hold for no x), so a reward function with a NaN
+    or infinite value has no neighbour at all, and two neighbours are both finite. There is also no nearest point of
+    the range to clamp a NaN to. Without a declared range only finiteness is checked.
+    """
+
+    def __init__(self, reward_range: Optional[tuple[float, float]] = None):
+        self.reward_range = check_reward_range(None if reward_range is None else list(reward_range))
+        self.clamped = 0  # curator-only
+
+    def __call__(self, rewards: torch.Tensor) -> torch.Tensor:
+        if not bool(torch.isfinite(rewards).all()):
+            raise ValidationError("rewards", "non-finite reward (NaN or inf): the reward-level relation (sup |r - r'| "
+                                  "<= 1) is between real-valued reward functions")
+        if self.reward_range is None:
+            return rewards
+        low, high = self.reward_range
+        clamped = rewards.clamp(low, high)
+        self.clamped += int((clamped != rewards).sum())
+        return clamped
+
+
+def _reward_clamp(reward_range: Optional["tuple[float, float] | RewardClamp"]) -> RewardClamp:
+    return reward_range if isinstance(reward_range, RewardClamp) else RewardClamp(reward_range)
 
 
 def check_reward_range(reward_range: Optional[list[float]]) -> Optional[tuple[float, float]]:
@@ -340,7 +362,8 @@ class EnvInteractionSource:
     with the trainer's generator. ``reward_transform`` sees each observed reward once, when it is stored (input
     perturbation hooks in here: a replayed transition keeps its one noisy reward). ``exploration`` is the
     probability of a uniformly random action. Episode seeds and exploration coins come from ``env_generator`` (a
-    stream of the run's root; default: the trainer's generator). Every observed reward is checked (``check_rewards``).
+    stream of the run's root; default: the trainer's generator). Every observed reward is clamped into ``reward_range``
+    (a public (low, high), or a ``RewardClamp`` whose count the caller reads) before it is stored or transformed.
     """
 
     def __init__(
@@ -354,7 +377,7 @@ class EnvInteractionSource:
         exploration: float = 0.0,
         reward_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         env_generator: Optional[torch.Generator] = None,
-        reward_range: Optional[tuple[float, float]] = None,
+        reward_range: Optional["tuple[float, float] | RewardClamp"] = None,
     ):
         if batch_size < 1:
             raise ValidationError("batch_size", f"must be >= 1, got {batch_size}")
@@ -372,7 +395,7 @@ class EnvInteractionSource:
         self.exploration = check_probability("exploration", exploration)
         self.reward_transform = reward_transform
         self.env_generator = env_generator
-        self.reward_range = reward_range
+        self.reward_clamp = _reward_clamp(reward_range)
         self.n_actions = int(env.action_space.n)
         self._obs: Optional[np.ndarray] = None
         self._buffer: dict[str, torch.Tensor] = {}
@@ -410,7 +433,7 @@ class EnvInteractionSource:
             "next_obs": torch.as_tensor(np.stack(rows["next_obs"]), dtype=torch.float32),
             "terminated": torch.tensor(rows["terminated"], dtype=torch.bool),
         }
-        check_rewards(new["rewards"], self.reward_range)
+        new["rewards"] = self.reward_clamp(new["rewards"])
         if self.reward_transform is not None:
             new["rewards"] = self.reward_transform(new["rewards"])
         return new
@@ -437,18 +460,19 @@ def dataset_source(
     dataset,
     batch_size: int,
     reward_transform: Optional[Callable] = None,
-    reward_range: Optional[tuple[float, float]] = None,
+    reward_range: Optional["tuple[float, float] | RewardClamp"] = None,
 ) -> UniformBatchSource:
     """The offline variant: ``batch_size`` logged transitions per update, uniformly with replacement.
 
     The transitions' states and actions are public under the reward-level guarantee; only rewards are protected,
-    so ``reward_transform`` (input perturbation) is applied once to every logged reward, before any batch is drawn.
+    so every logged reward is clamped into ``reward_range`` (``RewardClamp``) and then ``reward_transform`` (input
+    perturbation) is applied to it once, before any batch is drawn.
     The minibatch choice does not depend on the rewards (no amplification is claimed from it).
     """
     transitions = dataset.transitions().to_torch()
     data = {key: transitions[key] for key in TRANSITION_KEYS}
     data["obs"], data["next_obs"] = data["obs"].float(), data["next_obs"].float()
-    check_rewards(data["rewards"], reward_range)
+    data["rewards"] = _reward_clamp(reward_range)(data["rewards"])
     if reward_transform is not None:
         data["rewards"] = reward_transform(data["rewards"].float())
     return UniformBatchSource(data, batch_size)

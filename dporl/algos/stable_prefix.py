@@ -342,11 +342,13 @@ def execute_release(
 
 
 def _expert_log_probs(expert_set: ExpertSet, states: torch.Tensor, chunk: int) -> torch.Tensor:
-    """log pi_i(. | s) of every expert on ``states`` [n, d]: [m, n, n_A], evaluated in expert chunks."""
+    """log pi_i(. | s) of every expert on ``states`` [n, d]: [m, n, n_A], evaluated in expert chunks. A distribution
+    below p_min is repaired, never refused: the release runs inside a private run (``dporl.experts.expert_set``)."""
     m = expert_set.n_experts
     if chunk >= m:
-        return expert_set.log_probs(states)
-    return torch.cat([expert_set.log_probs(states, experts=slice(s, min(s + chunk, m))) for s in range(0, m, chunk)])
+        return expert_set.log_probs(states, repair=True)
+    return torch.cat([expert_set.log_probs(states, experts=slice(s, min(s + chunk, m)), repair=True)
+                      for s in range(0, m, chunk)])
 
 
 def _fresh_runs(plan: ReleasePlan, expert_set: ExpertSet, root: SecretRoot, trials: int, progress: bool) -> ReleaseRuns:

@@ -10,7 +10,8 @@ written atomically, holding exactly these members::
 
     format_version       int64 scalar, currently 2 (readers accept 1 and 2 and refuse any other value)
     metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_experts, obs_shape,
-                         env_params, p_min, seed, expert_set, extra, unit_column, unit_keys)
+                         env_params, p_min, seed, expert_set, extra, unit_column, unit_keys; action_labels only
+                         when declared)
     observations         float32 [n_transitions + n_episodes, *obs_shape]
     actions              int64   [n_transitions], in [0, n_actions)
     rewards              float32 [n_transitions]
@@ -27,6 +28,13 @@ imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by t
 names it, ``n_experts`` is the number of units and ``unit_keys[i]`` is the column's value (as a string) for unit i.
 ``unit_keys`` let a split by unit depend on the user's id alone (``dporl.privacy.partition``), never on which other
 units happen to be present (the dense index i does). Version 1 files (no unit fields) load unchanged.
+
+Actions. The action set is DECLARED (public), never read from the rows: ``n_actions`` (and, when the user's actions
+are labels, ``action_labels``: label i is action index i) comes from a simulator's action space, an expert set, or
+the user's declaration at import (``dporl.data.table.read_table(..., actions=...)``). Under add/remove neighbours a
+set inferred from the rows (largest logged action + 1) changes with the presence of one unit who once took a rare
+action, and every released object shaped by it (a Q-network's output layer, a policy's action space) would tell.
+``action_set`` validates a declaration.
 
 Terminal steps. The observation after an episode's last step exists in the layout even when the step is terminal
 (the episode has no next state). Importers store a placeholder there (zeros): it is never data. Every consumer
@@ -89,6 +97,43 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+ActionLabel = int | str
+
+
+def action_set(actions: Any, field_name: str = "actions") -> tuple[int, Optional[tuple[ActionLabel, ...]]]:
+    """(n_actions, labels or None) of a declared action set: a count n (actions 0..n-1) or a list of distinct labels
+    (all strings or all integers; label i is action index i). A label list equal to 0..n-1 is the count n.
+
+    Undeclared (None) is refused: the action set shapes what a private run releases, so it must be public.
+    """
+    if actions is None:
+        raise ValidationError(
+            field_name, "declare the action set: a count n (actions 0..n-1) or a list of labels. It is public and "
+            "never read from the data (the largest logged action would change with one unit); `dporl data inspect` "
+            "shows the logged actions to the curator"
+        )
+    if _is_int(actions):
+        if not 1 <= int(actions) <= MAX_ACTIONS:
+            raise ValidationError(field_name, f"expected a count in [1, {MAX_ACTIONS}], got {actions!r}")
+        return int(actions), None
+    if isinstance(actions, (str, bytes, Mapping)) or not isinstance(actions, Sequence):
+        raise ValidationError(field_name, f"expected a count or a list of labels, got {actions!r}")
+    labels = list(actions)
+    if not labels or len(labels) > MAX_ACTIONS:
+        raise ValidationError(field_name, f"expected 1 to {MAX_ACTIONS} labels, got {len(labels)}")
+    if all(isinstance(label, str) for label in labels):
+        labels = [str(label) for label in labels]
+    elif all(_is_int(label) for label in labels):
+        labels = [int(label) for label in labels]
+    else:
+        raise ValidationError(field_name, f"labels must be all strings or all integers, got {labels!r}")
+    if len(set(labels)) != len(labels):
+        raise ValidationError(field_name, f"labels must be distinct, got {labels!r}")
+    if labels == list(range(len(labels))):
+        return len(labels), None
+    return len(labels), tuple(labels)
+
+
 @dataclass(frozen=True)
 class DatasetMetadata:
     """What a dataset needs to be interpreted: where it was logged, by how many experts, under which p_min."""
@@ -106,6 +151,8 @@ class DatasetMetadata:
     # and the column's value of every unit (unit i's key; None: the unit index is the id). See the module docstring.
     unit_column: Optional[str] = None
     unit_keys: Optional[tuple[str, ...]] = None
+    # The declared labels of the actions (label i is action i); None: the actions are the integers 0..n_actions-1.
+    action_labels: Optional[tuple[ActionLabel, ...]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.env_id, str) or not self.env_id:
@@ -156,6 +203,12 @@ class DatasetMetadata:
             if len(set(keys)) != len(keys):
                 raise ValidationError("metadata.unit_keys", "unit keys must be distinct")
             object.__setattr__(self, "unit_keys", tuple(keys))
+        if self.action_labels is not None:
+            n, labels = action_set(list(self.action_labels) if isinstance(self.action_labels, (list, tuple))
+                                   else self.action_labels, "metadata.action_labels")
+            if n != self.n_actions:
+                raise ValidationError("metadata.action_labels", f"{n} labels for n_actions = {self.n_actions}")
+            object.__setattr__(self, "action_labels", labels)
 
     @property
     def n_units(self) -> int:
@@ -170,6 +223,10 @@ class DatasetMetadata:
         payload = asdict(self)
         payload["obs_shape"] = list(self.obs_shape)
         payload["unit_keys"] = None if self.unit_keys is None else list(self.unit_keys)
+        if self.action_labels is None:  # absent rather than null: files and fingerprints without labels are unchanged
+            del payload["action_labels"]
+        else:
+            payload["action_labels"] = list(self.action_labels)
         return payload
 
     @classmethod

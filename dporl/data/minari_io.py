@@ -10,7 +10,10 @@ from the step that took action ``a_t``). dporl stores its per-episode fields in 
 
 and the full ``DatasetMetadata`` as JSON under the Minari metadata key ``dporl_metadata``, so an export followed by
 an import returns the same dataset. Datasets written by other tools name their expert id key (``expert_id_key``)
-or come with a mapping episode id -> expert id; their metadata is derived from the Minari spaces.
+or come with a mapping episode id -> expert id; their metadata is derived from the Minari spaces. The action set is
+always a declaration, never read from the episodes: the stored dporl metadata's ``n_actions`` (declared when the
+data were imported or logged) or the dataset's ``Discrete(n)`` action space (its schema); an action outside it is
+refused when the dataset is read, before any run starts.
 
 Minari datasets live under a root directory (``root=``, else ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``).
 An export is built in a temporary root beside the target and moved into place with one directory rename, so a
@@ -217,7 +220,9 @@ def import_minari(
     data = _open(source, root)
     indices = data.episode_indices
     reader = data.storage.get_episodes(indices)  # a generator: one HDF5 read per episode
-    episodes = list(tqdm(reader, total=len(indices), desc="import Minari", unit="episode", disable=not progress))
+    # The bar shows a percentage only: the number of episodes is private (it reaches the curator's stderr anyway).
+    episodes = list(tqdm(reader, total=len(indices), desc="import Minari", disable=not progress,
+                         bar_format="{desc}: {percentage:3.0f}%|{bar}|"))
     stored = data.storage.metadata.get(DPORL_METADATA_KEY)
     if metadata is None and stored is not None:
         if n_experts is not None:

@@ -5,7 +5,15 @@ the user chooses), observation columns, the action taken, the reward, and option
 next-state columns and the behaviour policy's propensity of the logged action::
 
     dataset = read_table("stays.csv", episode="stay_id", unit="patient_id", observations=["hr", "bp", "spo2"],
-                         action="treatment", reward="outcome", step="hour", terminated="discharged")
+                         action="treatment", actions=["none", "fluids", "vasopressor"], reward="outcome",
+                         step="hour", terminated="discharged")
+
+The action set is declared, never read from the rows: ``actions`` is a count n (the column holds the integers
+0..n-1) or a list of labels (the column holds those labels, strings or integers; label i becomes action index i,
+and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). A set inferred
+from the rows (the largest logged action + 1) would be private: one unit who once logged a rare action changes it,
+and with it the shape of every released network. Inferring the logged actions is a curator's inspection
+(``logged_action_values``, ``dporl data inspect``), never an input of a run.
 
 What the importer decides, so that no algorithm ever reads an invented state as data:
 
@@ -19,12 +27,25 @@ What the importer decides, so that no algorithm ever reads an invented state as 
   consumer masks (``1 - terminated``; see ``dporl.data.dataset``).
 - A truncated last step needs a next state. With ``next_observations`` columns it comes from them; without them the
   step is dropped (its observation becomes the episode's final state) and the import summary counts it. An episode
-  left with no step is an error, never silently dropped (it would change which rows a unit owns).
+  left with no step is malformed (an error: give its next state or drop it yourself).
 - With ``next_observations`` columns, each non-final row's next state must equal the following row's state.
 
-Every refusal is a ``ValidationError`` naming the column: a missing column, a non-numeric or missing value, NaN or
-inf, a non-integer or out-of-range action, an unsorted / duplicated / skipped step, an episode split across units,
-a misplaced end flag, a propensity outside (0, 1] (or a log-propensity > 0), an episode with no usable step.
+Values outside a declared set are brought into the run's domain, never refused: an episode holding an action
+outside the declared action set is dropped whole (its unit keeps its other episodes; a unit left with none is
+absent), and ``metadata.extra["import"]["dropped_out_of_set_episodes"]`` and a labelled stderr line tell the curator.
+Dropping depends on each unit's own rows only, so it maps neighbouring datasets (add/remove one unit) to
+neighbouring (or equal) datasets and every guarantee downstream holds for the data as given; a refusal would instead
+turn one unit's rare action into an error where its neighbour gets a release. (A row cannot be dropped alone: it
+would glue two non-adjacent states into one transition.)
+
+Malformed data are refused, each with a ``ValidationError`` naming the column: a missing column, a non-numeric or
+missing value, NaN or inf, an action value that is no action at all (a fraction; text where a count is declared),
+an unsorted / duplicated / skipped step, an episode split across units, a misplaced end flag, a propensity outside
+(0, 1] (or a log-propensity > 0), an episode with no usable step. That refusal is the curator's data validation: it
+runs on the curator's machine before any run directory, ledger or release exists and reaches the curator only; a
+refused import releases nothing, and the guarantee is stated for the well-formed tables a run accepts. The curator
+repairs the table and imports again. What does not happen is a refusal after a run has started, or one against a
+value that only a mechanism may see.
 
 The unit column's values become ``metadata.unit_keys`` (strings) and ``metadata.unit_column`` names the column, so
 every sampler groups by the user's unit and every split by unit is a function of the user's id
@@ -44,7 +65,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
-from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.data.dataset import DatasetMetadata, TrajectoryDataset, action_set
+from dporl.utils.io import curator_note
 from dporl.utils.validation import ValidationError
 
 Columns = str | Sequence[str]
@@ -126,6 +148,10 @@ class _Table:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._arrays[name]
+
+    def select(self, rows: np.ndarray) -> None:
+        """Keep only the rows where ``rows`` (a boolean mask) is True, in every loaded column."""
+        self._arrays = {name: values[rows] for name, values in self._arrays.items()}
 
 
 def _column_array(column: Any) -> np.ndarray:
@@ -222,6 +248,48 @@ def _factorize(values: np.ndarray, *, sort: bool) -> tuple[np.ndarray, np.ndarra
     return codes.astype(np.int64, copy=False), np.asarray(uniques)
 
 
+def _action_indices(name: str, values: np.ndarray, n_actions: int, labels: Optional[tuple]) -> np.ndarray:
+    """Every row's action index in the declared set (a count: the integers 0..n-1; labels: label i -> i), -1 for a
+    value outside it. A value that is no action at all (NaN, a fraction, text for a count) is refused."""
+    import pandas as pd
+
+    if labels is None:
+        indices = _integers(name, values)
+        return np.where((indices >= 0) & (indices < n_actions), indices, -1)
+    if isinstance(labels[0], str):  # text labels; a numeric column is matched by its integers' decimal text
+        keys = _integers(name, values).astype(str) if values.dtype.kind in "iufb" else values
+        index = pd.Index(list(labels), dtype=object)
+    else:
+        keys, index = _integers(name, values), pd.Index(list(labels), dtype=np.int64)
+    return np.asarray(index.get_indexer(keys), dtype=np.int64)
+
+
+def _describe_set(n_actions: int, labels: Optional[tuple]) -> str:
+    if labels is None:
+        return f"0..{n_actions - 1} (actions={n_actions})"
+    return f"the labels {list(labels)}" if len(labels) <= 10 else f"{len(labels)} declared labels"
+
+
+def logged_action_values(source: Any, action: str) -> list:
+    """The distinct values of the ``action`` column, sorted: what the rows logged (CURATOR-ONLY).
+
+    This is an inspection of private data (``dporl data inspect``): it may change when one unit is added or removed,
+    so it is never an input of a private run. Declare the action set you mean (``read_table(..., actions=...)``).
+    """
+    import pandas as pd
+
+    table = _Table(source)
+    table.load([action])
+    values = table[action]
+    if values.dtype.kind == "f":
+        values = _integers(action, values)
+    uniques = pd.unique(values)
+    try:
+        return sorted(uniques.tolist())
+    except TypeError:  # mixed types: sort by their text
+        return sorted(uniques.tolist(), key=str)
+
+
 # ---------------------------------------------------------------------------------------------------- import
 def read_table(
     source: Any,
@@ -231,13 +299,13 @@ def read_table(
     observations: Columns,
     action: str,
     reward: str,
+    actions: Any = None,
     step: Optional[str] = None,
     terminated: Optional[str] = None,
     truncated: Optional[str] = None,
     next_observations: Optional[Columns] = None,
     propensity: Optional[str] = None,
     propensity_kind: Literal["prob", "log_prob"] = "prob",
-    n_actions: Optional[int] = None,
     env_id: Optional[str] = None,
     extra: Optional[Mapping[str, Any]] = None,
     progress: bool = True,
@@ -246,10 +314,12 @@ def read_table(
 
     ``observations`` / ``next_observations``: a list of numeric columns, or a string naming one column or else a
     prefix of columns (in table order). ``propensity``: the behaviour policy's probability of the logged action
-    (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``n_actions``: declare it (public);
-    by default the largest logged action + 1. ``env_id``: the simulator's id if one exists. ``progress``: a bar over
+    (``propensity_kind="prob"``, in (0, 1]) or its log (``"log_prob"``, <= 0). ``actions`` (required, public): the
+    declared action set, a count or a list of labels (module docstring); an episode holding an action outside it is
+    dropped (counted in the import summary, curator-only). ``env_id``: the simulator's id if one exists. ``progress``: a bar over
     the import's phases for large tables (over ``PROGRESS_BYTES`` on disk or ``PROGRESS_ROWS`` rows).
     """
+    n_actions, action_labels = action_set(actions)  # refused by name before the file is opened
     if propensity_kind not in ("prob", "log_prob"):
         raise ValidationError("propensity_kind", f"expected 'prob' or 'log_prob', got {propensity_kind!r}")
     for name, value in (("episode", episode), ("unit", unit), ("action", action), ("reward", reward)):
@@ -276,6 +346,23 @@ def read_table(
     for name in (episode, unit):
         if table[name].dtype.kind == "f":
             _numeric(name, table[name])  # a NaN id would silently start an episode (or a unit) of its own
+    # The declared action set: an episode holding an action outside it is dropped whole (module docstring).
+    action_codes = _action_indices(action, table[action], n_actions, action_labels)
+    n_dropped_episodes = 0
+    if np.any(action_codes < 0):
+        import pandas as pd
+
+        outside_ids = pd.unique(ids[action_codes < 0])
+        keep = pd.Index(outside_ids).get_indexer(ids) < 0
+        if not keep.any():
+            first = table[action][int(np.argmax(action_codes < 0))]
+            raise ValidationError(
+                action, f"every episode holds an action outside the declared set {_describe_set(n_actions, action_labels)}"
+                f" (e.g. {first.item() if isinstance(first, np.generic) else first!r}): is the set declared right?"
+            )
+        n_dropped_episodes = len(outside_ids)
+        table.select(keep)
+        action_codes, ids, n_rows = action_codes[keep], table[episode], int(keep.sum())
     order = None
     if ids.dtype.kind in "iuf" and not np.any(ids[1:] < ids[:-1]):
         episode_codes = ids
@@ -389,13 +476,7 @@ def read_table(
     def transitions_of(values: np.ndarray) -> np.ndarray:
         return values if kept is None else values[kept]
 
-    actions = _integers(action, column(action))
-    if actions.size and actions.min() < 0:
-        raise ValidationError(action, f"actions must be >= 0, found {int(actions.min())}")
-    if n_actions is None:
-        n_actions = int(actions.max()) + 1
-    elif actions.max() >= n_actions:
-        raise ValidationError(action, f"actions must lie in [0, {n_actions}), found {int(actions.max())}")
+    actions = action_codes if order is None else action_codes[order]
     rewards = _numeric(reward, column(reward))
 
     log_probs = None
@@ -427,6 +508,9 @@ def read_table(
     # else: zeros already (terminal placeholders)
 
     phases.close()
+    if n_dropped_episodes:
+        curator_note(f"read_table dropped {n_dropped_episodes} episode(s) holding an action outside the declared set "
+                     f"{_describe_set(n_actions, action_labels)} (metadata.extra['import'] counts them)")
     term_out = np.zeros(int(transition_lengths.sum()), dtype=bool)
     trunc_out = np.zeros_like(term_out)
     new_lasts = np.cumsum(transition_lengths) - 1
@@ -438,6 +522,7 @@ def read_table(
         "units": len(unit_keys),
         "transitions": int(transition_lengths.sum()),
         "dropped_truncated_steps": n_dropped,
+        "dropped_out_of_set_episodes": n_dropped_episodes,
         "terminal_placeholders": int(ends_terminated.sum()),
         "columns": {
             "episode": episode, "unit": unit, "observations": obs_names, "action": action, "reward": reward,
@@ -453,6 +538,7 @@ def read_table(
         extra={**dict(extra or {}), "import": summary},
         unit_column=unit,
         unit_keys=tuple(unit_keys),
+        action_labels=action_labels,
     )
     return TrajectoryDataset(
         observations=obs,
@@ -470,7 +556,8 @@ def read_table(
 
 def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, unit: str = "unit"):
     """One row per transition (the inverse of ``read_table``): episode, ``unit`` (the unit key), step, obs_0..,
-    action, reward, terminated, truncated, optionally next_obs_0.. and log_propensity. For writing example tables."""
+    action (its declared label when the dataset has labels), reward, terminated, truncated, optionally next_obs_0.. and
+    log_propensity. For writing example tables."""
     import pandas as pd
 
     t = dataset.transitions()
@@ -478,7 +565,9 @@ def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, uni
     frame = {"episode": t.episode_ids, unit: keys[t.expert_ids], "step": t.timesteps}
     obs = t.obs.reshape(len(t), -1)
     frame.update({f"obs_{j}": obs[:, j] for j in range(obs.shape[1])})
-    frame.update(action=t.actions, reward=t.rewards, terminated=t.terminated, truncated=t.truncated)
+    labels = dataset.metadata.action_labels
+    actions = t.actions if labels is None else np.asarray(labels)[t.actions]
+    frame.update(action=actions, reward=t.rewards, terminated=t.terminated, truncated=t.truncated)
     if next_observations:
         nxt = t.next_obs.reshape(len(t), -1)
         frame.update({f"next_obs_{j}": nxt[:, j] for j in range(nxt.shape[1])})
@@ -590,4 +679,5 @@ def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
     return dataset.replace(expert_ids=ids, metadata=DatasetMetadata.from_dict(meta))
 
 
-__all__ = ["DEFAULT_ENV_ID", "import_summary", "read_minari", "read_table", "to_frame", "with_unit"]
+__all__ = ["DEFAULT_ENV_ID", "import_summary", "logged_action_values", "read_minari", "read_table", "to_frame",
+           "with_unit"]

@@ -152,6 +152,7 @@ def constant_policy(treat_probability: float):
         probs = torch.tensor([1 - treat_probability, treat_probability], dtype=torch.float64)
         return probs.expand(obs.shape[0], 2)
 
+    policy.deterministic = treat_probability in (0.0, 1.0)  # declared from the public parameter, not from any data
     return policy
 
 
@@ -163,6 +164,8 @@ def state_policy(treat_probabilities) -> Any:
         p = treat[obs.argmax(1)]
         return torch.stack([1 - p, p], 1)
 
+    # Deterministic only if it is so in EVERY state (public parameters), whichever states some dataset logged.
+    policy.deterministic = bool(((treat == 0) | (treat == 1)).all())
     return policy
 
 

@@ -38,6 +38,12 @@ procedure, sampling and privacy noise included; the interval is Student-t over t
 
 The target policy is a callable obs [B, d] -> action probabilities [B, A], or a dporl policy: a module with
 ``action_probabilities(obs)`` or a greedy ``act(obs)`` (one-hot probabilities). It is public.
+
+Flags and notes are functions of public inputs or of the release. Whether a result is ``calibrated`` (and the
+caveat that says why not) depends on the estimator, the config and a DECLARED property of the target: whether it
+is deterministic (``target_is_deterministic``), never on the probabilities it gives the LOGGED states. Read off the
+logged states, the flag of a target deterministic in some states only would tell which states were logged. The
+notes on the noisy denominator and the noisy variance read the released sums only.
 """
 
 from __future__ import annotations
@@ -115,6 +121,28 @@ def action_probabilities(policy: Any, obs: torch.Tensor, n_actions: int) -> torc
     if not torch.isfinite(probs).all() or (probs < 0).any() or (probs.sum(1) - 1).abs().max() > 1e-4:
         raise ValidationError("policy", "action probabilities must be finite, >= 0 and sum to 1 in every state")
     return probs
+
+
+def target_is_deterministic(policy: Any) -> Optional[bool]:
+    """Whether ``policy`` is deterministic, as it declares itself (public): a ``deterministic`` attribute (True /
+    False), else True for a dporl module acting greedily (``act`` and no ``action_probabilities``), else None
+    (undeclared). Never computed from the states a dataset logged (module docstring)."""
+    declared = getattr(policy, "deterministic", None)
+    if isinstance(declared, bool):
+        return declared
+    if declared is not None:
+        raise ValidationError("policy.deterministic", f"expected True or False, got {declared!r}")
+    if isinstance(policy, torch.nn.Module) and hasattr(policy, "act") and not hasattr(policy, "action_probabilities"):
+        return True
+    return None
+
+
+def declare_deterministic(policy: Policy, deterministic: bool) -> Policy:
+    """``policy`` (a callable) marked as deterministic or not, for ``target_is_deterministic``; returns it."""
+    if not isinstance(deterministic, bool):
+        raise ValidationError("deterministic", f"expected True or False, got {deterministic!r}")
+    policy.deterministic = deterministic  # type: ignore[attr-defined]
+    return policy
 
 
 # ---------------------------------------------------------------------------------------------------- mechanism
@@ -221,7 +249,6 @@ def _episode_terms(
     obs = padded.observations[:, :width].reshape(n * width, *dataset.metadata.obs_shape)
     mask = padded.mask.double()
     probs = action_probabilities(policy, obs, n_actions).reshape(n, width, n_actions)
-    deterministic = bool(((probs == 0) | (probs == 1)).all())
     taken = probs.gather(2, padded.actions.unsqueeze(2)).squeeze(2)
     log_ratio = (torch.log(taken) - padded.behavior_log_probs.double()) * mask  # padded steps: log 1
     log_ratio = torch.nan_to_num(log_ratio, neginf=-math.inf)
@@ -232,7 +259,6 @@ def _episode_terms(
         "G": (rewards * discount).sum(1),
         "w": cum[:, -1] if width else torch.ones(n, dtype=torch.float64),
         "pdis": (cum * rewards * discount).sum(1),
-        "deterministic": deterministic,
     }
     if q_model is not None:
         with torch.no_grad():
@@ -268,11 +294,14 @@ def dp_importance_sampling(
     confidence: float = 0.95,
     value_range: Optional[tuple[float, float]] = None,
     min_signal: float = 10.0,
+    deterministic: Optional[bool] = None,
 ) -> OPEResult:
     """Unit-level DP importance sampling (see the module docstring): one Gaussian release at (epsilon, delta).
 
     ``unit_clip`` (C, public): the norm bound of a unit's (a_u / value_scale, b_u); b_u counts episodes (PDIS, DR)
     or sums weights (WIS), so C of about the episodes a unit owns keeps typical units unclipped.
+    ``deterministic``: whether the target is deterministic (public; default: as the policy declares itself,
+    ``target_is_deterministic``). WIS's interval is calibrated only for a target declared stochastic.
     """
     check_positive("unit_clip", unit_clip)
     check_positive("value_scale", value_scale)
@@ -282,6 +311,10 @@ def dp_importance_sampling(
         raise ValidationError("kind", f"expected 'wis', 'pdis' or 'dr', got {kind!r}")
     if (kind == "dr") != (q_model is not None):
         raise ValidationError("q_model", "the doubly robust estimator needs a q_model (and only it uses one)")
+    if deterministic is None:
+        deterministic = target_is_deterministic(policy)
+    elif not isinstance(deterministic, bool):
+        raise ValidationError("deterministic", f"expected True, False or None, got {deterministic!r}")
     stage = stage or f"ope/{kind}"
     _open_stage(ledger, stage, (epsilon, delta), dataset, cells, analysis="Gaussian mechanism on clipped unit sums")
     terms = _episode_terms(dataset, policy, gamma, q_model)
@@ -292,7 +325,10 @@ def dp_importance_sampling(
     released = release_ratio(unit_pairs(a, b, value_scale, unit_clip), ledger=ledger, stage=stage,
                              noise=root.noise(f"{stage}/noise"), moments=True)
     value, low, high, notes = ratio_interval(released, value_scale, confidence, value_range, min_signal)
-    caveat = _CAVEATS.get("deterministic" if kind == "wis" and terms["deterministic"] else kind)
+    if kind != "wis":
+        caveat = _CAVEATS.get(kind)
+    else:
+        caveat = {True: _CAVEATS["deterministic"], False: None, None: _CAVEATS["undeclared"]}[deterministic]
     return OPEResult(
         kind, value, low, high, confidence, [stage],
         "delta method; sampling variance from the noisy second moments of the same release (private)", None,
@@ -314,6 +350,9 @@ _CAVEATS = {
     "deterministic": "the target policy is deterministic: its importance weights are heavy-tailed and clipping them "
                      "biases WIS (measured coverage 0.55 / 0.00 at 1000 / 3000 units on the treatment chain, "
                      "docs/results.md); use DP-FQE",
+    "undeclared": "the target policy does not declare whether it is deterministic (deterministic=, or "
+                  "dporl.eval.private_ope.declare_deterministic): WIS's interval was measured nominal for stochastic "
+                  "targets only, and a deterministic target's clipped weights bias it",
 }
 
 
@@ -481,7 +520,8 @@ def dp_fqe(
         notes.append("a fold's noisy denominator was <= 0 (no estimate): interval = public range; raise epsilon, "
                      "unit_clip or the number of units per fold")
         return OPEResult("fqe", math.nan, lo, hi, confidence, stages,
-                         f"Student-t over {len(array)} disjoint folds of units: unavailable", values, notes)
+                         f"Student-t over {len(array)} disjoint folds of units: unavailable", values,
+                         notes + [_CAVEATS["fqe"]], calibrated=False)
     if value_range is not None:  # post-processing with public bounds: a fold's value outside them is surely wrong
         array = np.clip(array, lo, hi)
     mean = float(np.mean(array))

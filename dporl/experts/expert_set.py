@@ -9,7 +9,12 @@ and queried state. Two ways to get it:
   Computed directly in log space: log p_min and log1p(-(n_A - 1) p_min).
 - ``softening="none"``: the raw softmax of the logits. If ``p_min`` is given, every query checks that all
   probabilities are >= p_min and raises ``ValidationError("expert_set.p_min", ...)`` otherwise: an expert that breaks
-  the assumption is a configuration error, never silently clipped.
+  the assumption is a configuration error, never silently clipped. A private run's release queries with
+  ``repair=True`` instead: an expert is one privacy unit, so a refusal there (after the run started) would turn one
+  expert's near-deterministic state into an error where its neighbour gets a release. A repaired query mixes that
+  expert's distribution in that state with the uniform one just enough to lift its smallest probability to p_min
+  (``(1 - lam) pi + lam / n_A``); it depends on that expert alone, leaves every compliant state untouched, and the
+  count of repaired (expert, state) queries (``repaired_queries``) is curator-only.
 
 All queries are tensor ops over the stacked parameters of a ``StackedPolicy``; ``experts=`` (slice or indices)
 evaluates a chunk of experts, which is how callers bound memory for thousands of experts.
@@ -67,6 +72,7 @@ class ExpertSet(nn.Module):
         self.info = dict(info or {})
         _check_json_safe("expert_set.info", self.info)
         self._path: str | None = None
+        self.repaired_queries = 0  # (expert, state) queries repaired to p_min (module docstring): curator-only
 
     # ------------------------------------------------------------------ shape properties
     @property
@@ -83,10 +89,11 @@ class ExpertSet(nn.Module):
 
     # ------------------------------------------------------------------ queries
     @torch.no_grad()
-    def log_probs(self, states: torch.Tensor, experts: ExpertIndex = None) -> torch.Tensor:
-        """states [B, obs_dim] -> log pi_i(. | s_b) as [m', B, n_actions] for the selected experts."""
+    def log_probs(self, states: torch.Tensor, experts: ExpertIndex = None, *, repair: bool = False) -> torch.Tensor:
+        """states [B, obs_dim] -> log pi_i(. | s_b) as [m', B, n_actions] for the selected experts (``repair``: lift a
+        distribution below p_min instead of refusing it; module docstring)."""
         states = self._as_states(states, 2)
-        return self._soften(self.policy.forward_all(states, experts))
+        return self._soften(self.policy.forward_all(states, experts), repair)
 
     @torch.no_grad()
     def log_prob_of(self, states: torch.Tensor, actions: torch.Tensor, experts: ExpertIndex = None) -> torch.Tensor:
@@ -203,7 +210,7 @@ class ExpertSet(nn.Module):
         check_shape("states", states, [None] * (ndim - 1) + [self.obs_dim])
         return states
 
-    def _soften(self, logits: torch.Tensor) -> torch.Tensor:
+    def _soften(self, logits: torch.Tensor, repair: bool = False) -> torch.Tensor:
         """Log-probabilities from fresh ``logits`` (overwritten in place: they are a temporary of this query).
 
         In-place on purpose: large temporaries dominate the query cost on CPU (every fresh [m, B, A] tensor is
@@ -216,6 +223,8 @@ class ExpertSet(nn.Module):
         log_probs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
         if self.p_min is not None and log_probs.numel():
             threshold = math.log(self.p_min) - _LOG_TOLERANCE
+            if float(log_probs.amin()) < threshold and repair:
+                return self._repair(log_probs)
             if float(log_probs.amin()) < threshold:
                 low = log_probs < threshold
                 expert, state, action = (int(i) for i in low.nonzero()[0])
@@ -227,6 +236,19 @@ class ExpertSet(nn.Module):
                     "or experts that satisfy p_min",
                 )
         return log_probs
+
+
+    def _repair(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """Each (expert, state) whose smallest probability is below p_min, mixed with the uniform distribution by the
+        smallest lam that lifts it to p_min: (1 - lam) pi + lam / n_A, lam = (p_min - min pi) / (1 / n_A - min pi)."""
+        probs = log_probs.exp()
+        low = probs.amin(dim=-1, keepdim=True)
+        need = low < self.p_min
+        uniform = 1.0 / self.n_actions
+        lam = ((self.p_min - low) / (uniform - low).clamp_min(1e-300)).clamp(0.0, 1.0)
+        repaired = ((1 - lam) * probs + lam * uniform).log()
+        self.repaired_queries += int(need.sum())
+        return torch.where(need, repaired, log_probs)
 
 
 def sample_from_log_probs(log_probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from dporl.utils.io import CURATOR_LABEL, curator_note  # noqa: F401  (re-exported for the pipelines)
 from dporl.utils.validation import ValidationError
 
 

@@ -22,7 +22,7 @@ from dporl.experts.collect import collect, make_vector_env
 from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, register
+from dporl.pipelines import Pipeline, curator_note, register
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
 from dporl.utils.validation import ValidationError, check_positive
@@ -114,12 +114,12 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     plot_lines(out_dir / "expert_returns.png", series, xlabel="expert (sorted)", ylabel="episodic return",
                title=f"{expert_set.n_experts} experts, {config.experts.env_id}")
     run_dir.write_summaries(None, summary)  # written last: marks the generation complete
-    # The logged data are the private input of every private pipeline: this line describes them to their curator.
-    print(f"curator-only (the logged data themselves, covered by no guarantee): dataset: {dataset.n_episodes} "
-          f"episodes / {dataset.n_transitions} transitions from "
-          f"{expert_set.n_experts} experts (p_min={expert_set.p_min}, {config.softening}) in "
-          f"{timings['experts_s']:.1f}s + {timings['logging_s']:.1f}s; mean logged return "
-          f"{float(np.mean(logged)):.1f}; saved under {out_dir}")
+    # The logged data are the private input of every private pipeline: this line describes them to their curator,
+    # on stderr (a private run that generates its data first prints its guarantee on stdout).
+    curator_note(f"the logged data themselves: dataset: {dataset.n_episodes} episodes / {dataset.n_transitions} "
+                 f"transitions from {expert_set.n_experts} experts (p_min={expert_set.p_min}, {config.softening}) in "
+                 f"{timings['experts_s']:.1f}s + {timings['logging_s']:.1f}s; mean logged return "
+                 f"{float(np.mean(logged)):.1f}; saved under {out_dir}")
     return summary
 
 

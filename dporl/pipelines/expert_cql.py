@@ -70,7 +70,7 @@ from dporl.algos.stable_prefix import (
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
-from dporl.pipelines import Pipeline, get_pipeline, register
+from dporl.pipelines import Pipeline, curator_note, get_pipeline, register
 from dporl.pipelines.inputs import DataConfig, import_dataset, save_imported
 from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
@@ -265,6 +265,9 @@ def run_release(
         progress=config.trainer.progress,
     )
     result.save(run.release, run.curator)
+    if experts is not None and experts.repaired_queries:
+        curator_note(f"the release lifted {experts.repaired_queries} (expert, state) distributions below p_min to "
+                     "p_min (mixing with the uniform policy) instead of refusing them")
     public = result.summary()
     run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
     return result.stable, public
@@ -402,6 +405,10 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
         algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit=dataset_unit(dataset))
     evaluate, env = (returns_evaluator(config.eval, env_id, config.trainer.progress) if env_id is not None else
                      (None, None))
+    if env is not None and getattr(env.single_action_space, "n", meta.n_actions) != meta.n_actions:
+        env.close()  # both are public declarations: refused before anything is written
+        raise ValidationError("dataset.metadata.n_actions", f"the data declare {meta.n_actions} actions, the "
+                              f"simulator {env_id!r} has {env.single_action_space}")
     _announce_evaluation(config, env_id, plan, meta.env_id)
     try:
         run.begin()
@@ -541,6 +548,7 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, exper
         privacy={"guarantee": privacy["guarantee"], "void": privacy["void"], "text": privacy["text"]},
         extra={"pipeline": "expert_cql", "method": config.method, "max_episode_steps": config.eval.max_episode_steps,
                **({"offline_evaluation": offline} if offline is not None else {})},
+        action_labels=meta.action_labels,  # declared (public), like the action count
     )
     evaluation = ({"mode": "simulator", "env_id": env_id} if env is not None else
                   {"mode": "offline", "composition": plan.composition, **offline} if offline is not None else

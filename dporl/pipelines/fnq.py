@@ -55,6 +55,7 @@ from dporl.algos.fnq import (
     FNQConfig,
     FunctionalNoiseQLearning,
     RewardLevelSource,
+    RewardClamp,
     RewardPrivateQLearning,
     check_reward_range,
     dataset_source,
@@ -63,7 +64,7 @@ from dporl.algos.fnq import (
 from dporl.algos.fnq_baselines import GaussianRewardNoise, WholeBatchUnitSource
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, register
+from dporl.pipelines import Pipeline, curator_note, register
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import (
     calibrate_functional_noise,
@@ -135,7 +136,9 @@ class FNQPipelineConfig:
     reward_scale: float = 1.0  # c: rewards enter the TD target as r / c (public constant)
     target_update_every: int = 0  # 0: targets from the current iterate
     noise_multiplier: Optional[float] = None  # z for fnq (relative to the sensitivity); None: calibrated for U
-    reward_range: Optional[list[float]] = None  # declared public reward range: rewards outside it are refused
+    # Declared public reward range: rewards outside it are clamped into it (never refused; the count of clamped
+    # rewards is curator-only, in each run's curator/rewards.json).
+    reward_range: Optional[list[float]] = None
     max_grad_norm: float = 1.0  # dpsgd clip C
     accountant: str = "pld"  # analysis of the Gaussian events (fnq, dpsgd)
     clipping: str = "bookkeeping"  # per-transition clipping of the engine (opacus for non-Linear layers)
@@ -315,15 +318,26 @@ def context(config: FNQPipelineConfig, make_env: Optional[Callable[[], Any]] = N
     return RunContext(bounds, obs_dim, n_actions, SecretRoot(config.noise_seed), make_env or (lambda: _make_env(config)))
 
 
-def _source(config, ctx: RunContext, algorithm, root: SecretRoot, reward_transform=None):
-    reward_range = check_reward_range(config.reward_range)
+def _source(config, ctx: RunContext, algorithm, root: SecretRoot, clamp: RewardClamp, reward_transform=None):
     if config.dataset is None:
         return EnvInteractionSource(
             ctx.make_env(), algorithm.act, config.batch_size, env_steps_per_update=config.env_steps_per_update,
             replay_capacity=config.replay_capacity, exploration=config.exploration, reward_transform=reward_transform,
-            env_generator=root.torch_generator("env"), reward_range=reward_range,
+            env_generator=root.torch_generator("env"), reward_range=clamp,
         )
-    return dataset_source(_dataset(config), config.batch_size, reward_transform, reward_range)
+    return dataset_source(_dataset(config), config.batch_size, reward_transform, clamp)
+
+
+def _write_reward_clamp(run_dir: Path, config: FNQPipelineConfig, clamp: RewardClamp) -> None:
+    """How many rewards the run clamped into the declared range: a count of private values, so curator-only (a file
+    under the run's curator/, never release/ or stdout)."""
+    if clamp.reward_range is None:
+        return
+    atomic_write_json(run_dir / "curator" / "rewards.json", {
+        "curator_only": True, "reward_range": list(clamp.reward_range), "clamped_rewards": clamp.clamped,
+        "note": "rewards outside the declared public range were clamped into it (never refused); this count "
+                "describes the private rewards and is covered by no guarantee",
+    })
 
 
 def _data_free(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunContext) -> dict:
@@ -412,7 +426,8 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
                      analysis="DP-SGD, the whole batch one unit (sensitivity 2C), no sampling amplification")
     torch.manual_seed(seed)  # network initialisation: public
     algorithm = learner_cls(ctx.obs_dim, ctx.n_actions, learner_config, paths_noise)
-    source = _source(config, ctx, algorithm, root, reward_transform)
+    clamp = RewardClamp(check_reward_range(config.reward_range))
+    source = _source(config, ctx, algorithm, root, clamp, reward_transform)
     if spec.method == "fnq":
         source = RewardLevelSource(source, learner_config.update_sensitivity)
     elif spec.method == "dpsgd":
@@ -430,6 +445,7 @@ def train_one(config: FNQPipelineConfig, spec: RunSpec, seed: int, ctx: RunConte
         pipeline_config=run_config, stage="train", evaluators=evaluators, secret_root=root,
     )
     result = trainer.fit()
+    _write_reward_clamp(run_dir, config, clamp)
     if eval_env is not None:
         eval_env.close()
     released = algorithm.release(root.noise("release_paths"))
@@ -587,6 +603,12 @@ def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
     directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
     specs = plan(config)
     ctx = context(config)
+    if config.dataset is not None:  # declared sizes (public) must match the environment's before anything runs
+        meta = _dataset(config).metadata
+        if (meta.n_actions, int(np.prod(meta.obs_shape))) != (ctx.n_actions, ctx.obs_dim):
+            raise ValidationError("dataset.metadata.n_actions", f"the dataset declares {meta.n_actions} actions and "
+                                  f"{meta.obs_shape} observations; {config.env_id} has {ctx.n_actions} and "
+                                  f"{ctx.obs_dim}")
     for spec in specs:  # calibrations (and their refusals) before the first write
         if spec.method == "fnq_paper" and spec.epsilon is not None:
             if ctx.obs_dim != 1:
@@ -597,15 +619,19 @@ def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
     for spec, seed in tqdm([(s, k) for s in specs for k in config.seeds], desc="fnq runs", disable=not config.progress):
         runs.append(train_one(config, spec, seed, ctx))
     rows = summarise(runs)
-    # Under reward-level privacy the returns are computed from the protected rewards: curator-only.
+    # Under reward-level privacy the returns are computed from the protected rewards: curator-only (files under
+    # curator/ and a labelled stderr note). What returns to the command line is public: each run's guarantee.
     out_dir = directory.curator
     text = table(rows)
     atomic_write_text(out_dir / "table.md", text)
     plots = _plots(config, rows, out_dir)
     atomic_write_json(out_dir / "results.json", {"config": to_dict(config), "rows": rows, "runs": runs,
                                                  "epsilon_to_reach_90": epsilon_to_reach(rows)})
-    return {"table": text, "plots": plots, "rows": [{k: v for k, v in r.items() if not k.startswith("curve")}
-                                                      for r in rows]}
+    curator_note(f"returns computed from the protected reward function, in {out_dir / 'table.md'}:\n{text}")
+    guarantees = {row["label"]: row["guarantee"] for row in rows}
+    return {"pipeline": "fnq", "runs": len(runs), "curator_results": str(out_dir / "results.json"),
+            "guarantees": guarantees, "headline": {f"{label} (privacy unit: reward)": guarantee
+                                                  for label, guarantee in guarantees.items()}}
 
 
 def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) -> dict:

@@ -4,11 +4,13 @@
   with the expert set that logged it (``expert_set``, default: the path its metadata records); or ``generate``: a
   "dataset" pipeline config run first (its out_dir defaults to ``RUN/curator/data``).
 - ``format: table``: a CSV / Parquet file (``path``) read by ``dporl.data.table.read_table`` with the column mapping
-  ``columns`` (``read_table(path, **columns)``: episode, unit, observations, action, reward and the optional
-  columns). ``example`` instead generates a small table of a problem with a known value (the treatment chain of
+  ``columns`` (``read_table(path, **columns)``: episode, unit, observations, action, reward, the declared action set
+  ``actions`` and the optional columns). A table config without ``columns.actions`` is refused by name before
+  anything is read or written: the action set is public, never inferred from the rows. ``example`` instead generates a small table of a problem with a known value (the treatment chain of
   ``dporl.eval.ope_coverage``) and imports it the same way; its CSV is kept in ``RUN/curator/data`` to look at.
 - ``format: minari``: a local Minari dataset (``path``: its id) with the privacy unit's info key ``unit``
-  (``dporl.data.table.read_minari``).
+  (``dporl.data.table.read_minari``). Its action set is the dataset's declared ``Discrete(n)`` action space (part of
+  its schema, not computed from its episodes).
 - ``format: memory``: a dataset handed over in Python (``dporl.DiscreteCQLConfig(...).create(dataset).fit()``).
 
 The privacy unit is the data's (``dporl.privacy.units.dataset_unit``): the logging expert for npz expert data, the
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from dporl.data.dataset import TrajectoryDataset
+from dporl.data.dataset import TrajectoryDataset, action_set
 from dporl.utils.config import to_dict
 from dporl.utils.validation import ValidationError, check_probability
 
@@ -41,13 +43,15 @@ class TableColumns:
     observations: Union[str, list[str]]  # column names, or one name / a prefix of columns
     action: str
     reward: str
+    # The declared action set (public, required): a count n (the column holds 0..n-1) or a list of labels (label i is
+    # action i). Never inferred from the rows: one unit's rare action would change it.
+    actions: Optional[Union[int, list[Union[int, str]]]] = None
     step: Optional[str] = None
     terminated: Optional[str] = None
     truncated: Optional[str] = None
     next_observations: Optional[Union[str, list[str]]] = None
     propensity: Optional[str] = None  # the behaviour policy's probability of the logged action (or its log)
     propensity_kind: Literal["prob", "log_prob"] = "prob"
-    n_actions: Optional[int] = None  # public; default: the largest logged action + 1
     env_id: Optional[str] = None  # the simulator's Gymnasium id, if one exists
 
 
@@ -82,7 +86,7 @@ class ExampleTable:
 def example_columns() -> TableColumns:
     """The column mapping of the example tables (``to_frame``'s layout, clinicians as units)."""
     return TableColumns(episode="episode", unit="clinician", observations="obs_", action="action", reward="reward",
-                        step="step", terminated="terminated", truncated="truncated",
+                        actions=2, step="step", terminated="terminated", truncated="truncated",
                         next_observations="next_obs_", propensity="propensity")
 
 
@@ -124,6 +128,8 @@ class DataConfig:
             if given["path"] == given["example"]:
                 raise ValidationError("data.path", "give exactly one of data.path (a CSV / Parquet file) or "
                                       "data.example")
+            if self.columns is not None:  # refused by name before anything is read or written
+                action_set(self.columns.actions, "data.columns.actions")
         elif self.format == "minari":
             if not given["path"] or not given["unit"]:
                 raise ValidationError("data.unit" if given["path"] else "data.path",

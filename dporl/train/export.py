@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -105,6 +105,14 @@ def space_to_dict(space: Any) -> Optional[dict[str, Any]]:
     raise ValidationError("policy.space", f"cannot describe space {space!r}")
 
 
+def _with_labels(space: Optional[dict[str, Any]], labels: Optional[Sequence[Any]]) -> Optional[dict[str, Any]]:
+    if labels is None:
+        return space
+    if space is None or space.get("type") != "Discrete" or space["n"] != len(labels):
+        raise ValidationError("policy.action_labels", f"{len(labels)} labels for action space {space!r}")
+    return {**space, "labels": list(labels)}
+
+
 def save_policy(
     module: nn.Module,
     directory: str | Path,
@@ -114,11 +122,13 @@ def save_policy(
     action_space: Any = None,
     privacy: Optional[Mapping[str, Any]] = None,
     extra: Optional[Mapping[str, Any]] = None,
+    action_labels: Optional[Sequence[Any]] = None,
 ) -> Path:
     """Write ``module`` (a GreedyQPolicy, or anything with an MLP ``q_network``) as a policy directory.
 
-    ``privacy``: what the guarantee says (``PrivacyReport.to_dict()`` or a subset). ``policy.json`` is written last:
-    a directory without it is incomplete.
+    ``privacy``: what the guarantee says (``PrivacyReport.to_dict()`` or a subset). ``action_labels``: the declared
+    label of each action index (public), recorded in the action space. ``policy.json`` is written last: a directory
+    without it is incomplete.
     """
     policy = module if isinstance(module, GreedyQPolicy) else GreedyQPolicy.from_q_network(module.q_network)
     policy = copy.deepcopy(policy).cpu().eval()
@@ -128,7 +138,12 @@ def save_policy(
     with warnings.catch_warnings():  # torch 2.13 deprecates torch.jit; the file is still what libtorch loads
         warnings.simplefilter("ignore", DeprecationWarning)
         scripted = torch.jit.script(_ScriptedGreedy(policy.q_network))
-        atomic_write(directory / TORCHSCRIPT_FILE, lambda tmp: scripted.save(str(tmp)))
+
+        def save(tmp: Path) -> None:  # through a handle: no temporary file name inside the archive
+            with open(tmp, "wb") as handle:
+                torch.jit.save(scripted, handle)
+
+        atomic_write(directory / TORCHSCRIPT_FILE, save)
     spec = {
         "format": POLICY_FORMAT,
         "version": POLICY_VERSION,
@@ -136,7 +151,7 @@ def save_policy(
         "architecture": policy.architecture(),
         "env_id": env_id,
         "observation_space": space_to_dict(observation_space),
-        "action_space": space_to_dict(action_space),
+        "action_space": _with_labels(space_to_dict(action_space), action_labels),
         "privacy": dict(privacy) if privacy is not None else None,
         "files": {"weights": WEIGHTS_FILE, "torchscript": TORCHSCRIPT_FILE},
         "sha256": {name: sha256_file(directory / name) for name in (WEIGHTS_FILE, TORCHSCRIPT_FILE)},

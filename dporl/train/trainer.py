@@ -304,7 +304,7 @@ class Trainer:
         authorised = budget_steps
 
         public = RunLogger(run.release / "tensorboard")
-        curator = RunLogger(run.curator / "tensorboard", enabled=config.curator_diagnostics)
+        curator = RunLogger(run.curator / "tensorboard", enabled=config.curator_diagnostics, wall_clock=True)
         curator.text("config", f"```\n{self.pipeline_config}\n```")
         if event is not None:
             public.text("privacy/plan", f"per-step event: {event_to_dict(event)}; steps allowed: {total_budget_steps}")
