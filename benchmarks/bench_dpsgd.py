@@ -32,6 +32,8 @@ vs uniform rows for the non-private step).
     python benchmarks/bench_dpsgd.py --device cuda   # on a GPU (times synchronise the device)
     python benchmarks/bench_dpsgd.py --sweep --before-engine OLD/dporl/privacy/dpsgd.py
                                                      # also an older engine with plain Adam (before/after)
+    python benchmarks/bench_dpsgd.py --grid --before-engine OLD/dporl/privacy/dpsgd.py
+                                                     # and an older engine (and its noise.py) with this optimizer
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import warnings
@@ -125,19 +128,23 @@ class Setup:
         name = f"non-private ({self.batch * k} rows)" + (" + sampling" if sampling else "")
         return Mode(name, k, name, step)
 
-    def before(self, engine_file: str, k: int) -> list[Mode]:
-        """Another ``dpsgd.py`` (e.g. a previous release's) with plain Adam, as that release's trainer built it: its
-        non-private step and its book-keeping DP step, so that before and after are timed in the same rounds."""
-        spec = importlib.util.spec_from_file_location("before_dpsgd", engine_file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["before_dpsgd"] = module
-        spec.loader.exec_module(module)
+    def before(self, engine_file: str, k: int, fused: bool = False) -> list[Mode]:
+        """Another ``dpsgd.py`` (e.g. a previous release's) beside this one, in the same rounds, with the noise source
+        of the ``noise.py`` beside it when there is one. ``fused=False``: with plain Adam, as an older trainer built
+        it, and its own non-private step; ``fused=True``: its book-keeping DP step alone, with this trainer's
+        optimizer, against this run's non-private step."""
+        module = _load(engine_file, "before_dpsgd")
+        noise_file = Path(engine_file).with_name("noise.py")
+        noise_module = _load(str(noise_file), "before_noise") if noise_file.exists() else None
         modes = []
         for private in (False, True):
+            if fused and not private:
+                continue
             model = copy.deepcopy(self.initial).to(self.device)
-            optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = (build_optimizer(params, self.optimizer_config) if fused else torch.optim.Adam(params, lr=1e-4))
             batch = self.batches[k]
-            baseline = f"before: non-private ({self.batch * k} rows)"
+            baseline = f"non-private ({self.batch * k} rows)" if fused else f"before: non-private ({self.batch * k} rows)"
             if not private:
                 def step(model=model, optimizer=optimizer, batch=batch):
                     optimizer.zero_grad(set_to_none=True)
@@ -146,8 +153,11 @@ class Setup:
 
                 modes.append(Mode(baseline, k, baseline, step))
                 continue
+            generator = SecretRoot().torch_generator("before/noise")
+            source = (noise_module.NoiseSource(generator=generator) if noise_module is not None
+                      else NoiseSource(generator=generator))
             engine = module.DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0,
-                                        expected_batch_size=self.batch, noise=SecretRoot().noise("before/noise"))
+                                        expected_batch_size=self.batch, noise=source)
             takes_layout = "layout" in inspect.signature(engine.private_backward).parameters
 
             def step(model=model, optimizer=optimizer, batch=batch, engine=engine):
@@ -227,6 +237,14 @@ class Setup:
     def per_sample_gigabytes(self) -> float:
         """Memory of the per-sample gradients Opacus' hooks hold (batch x trainable parameters, float32)."""
         return 4 * self.batch * sum(p.numel() for p in self.initial.parameters() if p.requires_grad) / 2**30
+
+
+def _load(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def synchronise(device: torch.device) -> None:
@@ -363,7 +381,7 @@ def run_grid(args, device: torch.device) -> None:
     variant = "dporl, noise drawn ahead" if device.type == "cpu" else "dporl, CPU noise copied"
     columns = ["dporl book-keeping", variant, "Opacus ghost clipping", "Opacus hooks"]
     print(f"{'net':>9s} {'batch':>6s} {'non-private ms':>15s} " + " ".join(f"{c:>26s}" for c in columns)
-          + "  dporl / Opacus ghost (time)")
+          + "  dporl / Opacus ghost (time)" + ("  before: book-keeping" if args.before_engine else ""))
     for hidden, batch in grid_points(device):
         net = f"{len(hidden)}x{hidden[0]}/{batch}"
         if args.points and net not in args.points:
@@ -379,6 +397,8 @@ def run_grid(args, device: torch.device) -> None:
         modes.append(ahead)
         ghost = setup.opacus(ghost=True)
         modes.append(ghost)
+        before = setup.before(args.before_engine, 1, fused=True)[0] if args.before_engine else None
+        modes += [before] if before else []
         times = measure(modes, args.rounds, args.block_seconds, device)
         rows = {row[0]: row for row in report(modes, times)}
         hooks_cell = f"skipped ({setup.per_sample_gigabytes():.1f} GB)"
@@ -396,7 +416,7 @@ def run_grid(args, device: torch.device) -> None:
         speed = statistics.median(a / b for a, b in zip(times[dporl.name], times[ghost.name]))
         print(f"{len(hidden)}x{hidden[0]:<5d} {batch:6d} {rows[baseline.name][1]:15.3f} "
               + " ".join(f"{c:>26s}" for c in [cell(dporl), cell(ahead), cell(ghost), hooks_cell])
-              + f"  {speed:.3f}x", flush=True)
+              + f"  {speed:.3f}x" + (f"  {cell(before):>26s}" if before else ""), flush=True)
         for mode in modes:
             mode.close()
 

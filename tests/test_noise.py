@@ -307,10 +307,10 @@ def test_a_forked_child_drops_the_parents_pending_draw():
     source.prefetch_like(params, 1.0)
     worker = source._worker
     worker.result()  # let the parent's thread finish, then pretend to be a child process without that thread
-    worker._busy = True
+    worker.busy = True
     worker.pid = -1
     assert torch.equal(source.laplace(4, 1.0), reference.laplace(4, 1.0))  # rewound without waiting
     assert source._worker is None
     worker.pid = __import__("os").getpid()
-    worker._busy = False
+    worker.busy = False
     worker.stop()

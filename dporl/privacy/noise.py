@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import threading
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -98,7 +99,7 @@ def _device_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, devic
 
 
 class _Worker:
-    """One daemon thread that runs one job at a time (the next step's noise draw).
+    """One daemon thread that runs one job at a time (the next step's noise draw), fed through two queues.
 
     The worker never refers to the source it serves (jobs are dropped once run), so a source that is collected
     stops its worker (``weakref.finalize``); ``stop`` joins the thread.
@@ -106,57 +107,49 @@ class _Worker:
 
     def __init__(self):
         self.pid = os.getpid()
-        self._cv = threading.Condition()
-        self._job: Optional[Callable[[], Any]] = None
-        self._busy = False
-        self._stopping = False
-        self._outcome: tuple[Any, Optional[BaseException]] = (None, None)
-        self._thread = threading.Thread(target=self._loop, name="dporl-noise-prefetch", daemon=True)
+        self.busy = False  # a job was submitted and its outcome not yet taken (the caller's thread only)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_work, args=(self._jobs, self._outcomes),
+                                        name="dporl-noise-prefetch", daemon=True)
         self._thread.start()
 
     def alive(self) -> bool:
         return self.pid == os.getpid() and self._thread.is_alive()  # a forked child has no such thread
 
     def submit(self, job: Callable[[], Any]) -> None:
-        with self._cv:
-            if self._busy:
-                raise RuntimeError("the noise worker is busy")  # callers settle first; never two jobs at once
-            self._job, self._busy = job, True
-            self._cv.notify_all()
+        if self.busy:
+            raise RuntimeError("the noise worker is busy")  # callers settle first; never two jobs at once
+        self.busy = True
+        self._jobs.put(job)
 
     def result(self) -> Any:
-        with self._cv:
-            while self._busy:
-                self._cv.wait()
-            (value, error), self._outcome = self._outcome, (None, None)
+        value, error = self._outcomes.get()
+        self.busy = False
         if error is not None:
             raise error
         return value
 
     def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._thread is not threading.current_thread() and self.pid == os.getpid():
+        if self.pid != os.getpid():
+            return
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
             self._thread.join()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self._job is None and not self._stopping:
-                    self._cv.wait()
-                if self._job is None:  # stopping, nothing pending
-                    return
-                job, self._job = self._job, None
-            try:
-                outcome = (job(), None)
-            except BaseException as error:  # handed to the caller, who raises it
-                outcome = (None, error)
-            del job
-            with self._cv:
-                self._outcome, self._busy = outcome, False
-                self._cv.notify_all()
-                outcome = None
+
+def _work(jobs: queue.SimpleQueue, outcomes: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            outcome = (job(), None)
+        except BaseException as error:  # handed to the caller, who raises it
+            outcome = (None, error)
+        del job
+        outcomes.put(outcome)
+        del outcome
 
 
 class NoiseSource:
