@@ -1,6 +1,7 @@
 """trainer.device end to end: the device name is checked before anything runs; on CUDA (tests skip without it) the
-engine, the trainer and the evaluation run on the GPU while every secret draw stays on its CPU generator (the
-release's CUDA test is in test_stable_prefix.py)."""
+engine, the trainer and the evaluation run on the GPU; the DP-SGD noise of CUDA parameters is drawn on the device
+(Philox re-keyed per draw from the stream's device key, see dporl.privacy.noise), every other secret draw stays on
+its CPU generator (the release's CUDA test is in test_stable_prefix.py)."""
 
 from __future__ import annotations
 
@@ -91,16 +92,75 @@ def test_engine_on_cuda_matches_the_cpu_engine_without_noise(mode):
 
 
 @cuda
-def test_noise_for_cuda_parameters_comes_from_the_cpu_stream_and_lands_on_the_gpu():
+def test_noise_for_cuda_parameters_is_drawn_on_the_device_reproducibly_and_fresh_per_draw():
     params = [torch.empty(300, 200, device="cuda"), torch.empty(200, device="cuda")]
     noise = SecretRoot(5).noise("train/noise")
     draws = noise.gaussian_like(params, 2.0)
     assert [d.device.type for d in draws] == ["cuda", "cuda"] and [d.shape for d in draws] == [p.shape for p in params]
-    flat = torch.cat([d.flatten() for d in draws]).double().cpu()
+    flat = torch.cat([d.flatten() for d in draws]).double()
     # Sample std of 60200 normal draws: standard error 2 / sqrt(2 * 60200) ~ 0.006; 5 standard errors.
     assert abs(float(flat.std()) - 2.0) < 0.03
     again = SecretRoot(5).noise("train/noise").gaussian_like(params, 2.0)  # a fixed seed reproduces exactly
     assert all(torch.equal(a, b) for a, b in zip(draws, again))
+    following = torch.cat([d.flatten() for d in noise.gaussian_like(params, 2.0)]).double()
+    assert abs(float(torch.corrcoef(torch.stack([flat, following]))[0, 1])) < 5 / len(flat) ** 0.5
+    assert noise.state_dict()["device_draws"] == 2
+    cpu = SecretRoot(5).noise("train/noise")
+    cpu.device_draws = False  # the CPU stream copied: the numbers a CPU run draws
+    copied = cpu.gaussian_like(params, 2.0)
+    assert copied[0].device.type == "cuda" and not torch.equal(copied[0], draws[0])
+    expected = SecretRoot(5).noise("train/noise").gaussian(60200, 2.0)
+    assert torch.equal(torch.cat([c.flatten() for c in copied]).cpu(), expected)
+
+
+@cuda
+def test_torch_keys_each_device_draw_by_the_whole_seed_and_offset():
+    """The key space the noise module claims: the 64-bit seed (top bit included) and the offset's high bits each
+    change the draw; the same (seed, offset) gives the same numbers."""
+    from dporl.privacy.noise import _device_normal
+
+    generator, device = torch.Generator(device="cuda"), torch.device("cuda", torch.cuda.current_device())
+    seed, offset = 2**63 + 12345, 2**62 + 4 * 999
+
+    def draw(s, o):
+        return _device_normal((1 << 16,), 1.0, torch.float32, device, generator, s, o)
+
+    base = draw(seed, offset)
+    assert torch.equal(base, draw(seed, offset))
+    for other in [draw(seed ^ 2**63, offset), draw(seed ^ 1, offset), draw(seed, offset ^ 2**62), draw(seed, offset + 4 * 2**40)]:
+        assert not torch.equal(other, base)
+        assert abs(float(torch.corrcoef(torch.stack([other, base]).double())[0, 1])) < 5 / 2**8
+
+
+@cuda
+def test_device_noise_passes_ks_and_moments_at_1e7_draws():
+    import math
+
+    from scipy import stats
+
+    n = 10**7
+    params = [torch.empty(n // 2, device="cuda"), torch.empty(n - n // 2, device="cuda")]
+    x = torch.cat([d.flatten() for d in SecretRoot(2024).noise("n").gaussian_like(params, 1.0)])
+    cdf = torch.special.ndtr(torch.sort(x).values.double())
+    ranks = torch.arange(1, n + 1, dtype=torch.float64, device="cuda") / n
+    statistic = max(float((ranks - cdf).max()), float((cdf - (ranks - 1 / n)).max()))
+    assert stats.kstwo.sf(statistic, n) > 1e-3, statistic
+    x = x.double()
+    mean, var = float(x.mean()), float(x.var())
+    z = (x - mean) / math.sqrt(var)
+    assert abs(mean) < 5 / math.sqrt(n) and abs(var - 1) < 5 * math.sqrt(2 / n)
+    assert abs(float(z.pow(3).mean())) < 5 * math.sqrt(6 / n)
+    assert abs(float(z.pow(4).mean()) - 3) < 5 * math.sqrt(24 / n)
+
+
+@cuda
+def test_noise_for_cuda_parameters_is_never_drawn_ahead_on_the_cpu():
+    model = nn.Linear(4, 3).cuda()
+    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0,
+                         noise=SecretRoot(1).noise("n"))
+    assert not engine.prefetch_noise
+    assert not engine.noise.prefetch_like(list(model.parameters()), 1.0)
+    engine.close()
 
 
 @cuda
@@ -115,15 +175,15 @@ def test_private_training_runs_on_cuda_end_to_end(tmp_path):
 
 
 @cuda
-def test_cuda_run_reproduces_the_cpu_run_up_to_float_rounding(tmp_path):
-    """Same secret streams (CPU generators) on both devices: the same batches and the same noise."""
+def test_cuda_runs_with_a_fixed_noise_seed_reproduce_each_other(tmp_path):
+    """Same secret streams: the same batches (CPU sampler) and the same device noise on one device type."""
     results = []
-    for device in ["cpu", "cuda"]:
-        trainer = _trainer(tmp_path / device, device)
+    for name in ["first", "second"]:
+        trainer = _trainer(tmp_path / name, "cuda")
         trainer.fit()
         results.append([p.detach().cpu() for p in trainer.algorithm.parameters()])
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @cuda

@@ -1,4 +1,5 @@
 import gc
+import os
 import weakref
 
 import pytest
@@ -363,3 +364,78 @@ def test_row_weights_with_a_samplers_row_layout_match_checked_ids(mode):
         DPSGDEngine(copy.deepcopy(model), max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6.0,
                     noise=NoiseSource(0), mode=mode).private_backward(
             model.row_losses(*batch), unit_index, 6, layout=RowLayout(rows_per_unit=2), row_weights=torch.linspace(-1, 1, 12))
+
+
+# ---------------------------------------------------------------------------------------------- cost features
+def test_a_frozen_bias_is_not_part_of_the_clipped_norm():
+    """Per-unit clipping is exact for what is trained: a Linear whose bias is frozen contributes ||g||^2 ||a||^2
+    (no bias term) to the norm, as the reference autograd per-unit computation does."""
+    torch.manual_seed(6)
+    model = QNet()
+    model.q[0].bias.requires_grad_(False)
+    n_units, clip = 9, 0.05  # every unit clipped: a norm that counted the frozen bias would scale them wrongly
+    batch = _batch(n_units, seed=2)
+    want = _reference(model, batch, torch.arange(n_units), n_units, clip)
+    for mode in ["bookkeeping", "ghost"]:
+        engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                             noise=NoiseSource(0), mode=mode)
+        stats = engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units)
+        assert stats.clip_fraction == 1.0
+        for w, p in zip(want, engine.params):
+            torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
+        engine.close()
+
+
+def _noisy_steps(prefetch: bool, steps: int = 6):
+    torch.manual_seed(0)
+    model = QNet()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.3, expected_batch_size=8.0,
+                         noise=NoiseSource(31), prefetch_noise=prefetch)
+    grads = []
+    with engine:
+        for step in range(steps):
+            n_units = 8 if step != 3 else 5  # a Poisson-like change of batch size changes nothing in the noise
+            batch = _batch(n_units, seed=step)
+            engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units)
+            grads.append(torch.cat([p.grad.flatten() for p in engine.params]))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == 2:  # a checkpoint mid-run: the state is the one without drawing ahead
+                grads.append(engine.noise.state_dict()["generator"].double())
+    return grads, engine
+
+
+def test_noise_drawn_ahead_gives_the_same_training_and_its_thread_is_joined():
+    import threading
+
+    plain, _ = _noisy_steps(prefetch=False)
+    ahead, engine = _noisy_steps(prefetch=True)
+    assert engine.prefetch_noise and all(torch.equal(a, b) for a, b in zip(plain, ahead))
+    assert not [t for t in threading.enumerate() if t.name == "dporl-noise-prefetch"]  # closed by the with block
+
+
+def test_an_exception_in_a_step_still_stops_the_noise_thread():
+    import threading
+
+    model = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(ValidationError):
+        with DPSGDEngine(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0,
+                         noise=NoiseSource(1), prefetch_noise=True) as engine:
+            engine.private_backward(model(torch.randn(2, 3)).sum(1), torch.arange(2), 2)
+            assert [t for t in threading.enumerate() if t.name == "dporl-noise-prefetch"]
+            engine.private_backward(model(torch.randn(2, 3)).sum(1), torch.tensor([0, 7]), 2)  # refused
+    assert not [t for t in threading.enumerate() if t.name == "dporl-noise-prefetch"]
+
+
+def test_noise_is_drawn_ahead_by_default_only_where_a_core_is_left_over(monkeypatch):
+    import dporl.privacy.dpsgd as dpsgd
+
+    for spare in (True, False):
+        monkeypatch.setattr(dpsgd, "_spare_core", lambda spare=spare: spare)
+        engine = DPSGDEngine(nn.Linear(2, 1), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0,
+                             noise=NoiseSource(0))
+        assert engine.prefetch_noise is spare
+        engine.close()
+    monkeypatch.undo()
+    assert dpsgd._spare_core() == (len(os.sched_getaffinity(0)) > torch.get_num_threads())

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dporl.privacy.noise import NoiseSource, secret_generator
-from dporl.privacy.randomness import SecretRoot, torch_generator_from_words
+from dporl.privacy.randomness import SecretRoot, _name_key, torch_generator_from_words
 from dporl.utils.validation import ValidationError
 
 
@@ -84,3 +84,14 @@ def test_child_roots_are_streams_of_their_parent():
     assert parent.child("x").reproducible and not SecretRoot().child("x").reproducible
     with pytest.raises(ValidationError, match="already handed out"):
         parent.child("x")
+
+
+def test_a_noise_stream_keeps_its_cpu_numbers_and_adds_an_independent_device_key():
+    """root.noise(name) draws on the CPU exactly what torch_generator(name) gives (its first 624 words); the 256-bit
+    device key is the stream's next 8 words, so it says nothing about the MT19937 state and vice versa."""
+    noise = SecretRoot(2**70 + 3).noise("train/noise")
+    generator = SecretRoot(2**70 + 3).torch_generator("train/noise")
+    assert torch.equal(noise.gaussian(50, 1.0), torch.normal(0.0, 1.0, (50,), generator=generator))
+    words = np.random.SeedSequence(2**70 + 3, spawn_key=_name_key("train/noise")).generate_state(632, np.uint32)
+    assert noise._device_key == words[624:].astype("<u4").tobytes()
+    assert SecretRoot(2**70 + 3 + 2**64).noise("train/noise")._device_key != noise._device_key

@@ -18,18 +18,24 @@ Clipping modes (all give the same update up to float error; ``benchmarks/bench_d
 
 Cost. A private step should cost what a non-private one does plus the per-unit norms: the engine does not check
 unit ids that a library sampler produced (``samplers.RowLayout`` states what it guarantees; ids from user code are
-checked), draws each parameter's noise straight into its gradient buffer, and turns statistics into numbers only
-when someone reads them (``StepStats``), so an ordinary step never waits for the device.
+checked), draws the noise of all parameters in one call where they live (on a CUDA device for CUDA parameters) and
+accumulates the clipped sum into it in place, computes single-row units' norms for all layers together (two row
+reductions per layer, then one expression), and turns statistics into numbers only when someone reads them
+(``StepStats``), so an ordinary step never waits for the device. On the CPU the next step's noise can be drawn on
+a background thread while this step runs (``prefetch_noise``; by default where a core is left over by torch's
+threads): the same numbers, off the critical path, but the same CPU work.
 
 Hooks. The engine registers forward hooks on the module (its Linear tape, or Opacus' hooks). ``close()`` (or
-``with DPSGDEngine(...) as engine:``) removes them all; an engine dropped without ``close`` removes its tape's hooks
-when it is collected, and a forgotten engine that is still referenced keeps at most one step's activations.
+``with DPSGDEngine(...) as engine:``) removes them all and stops the noise thread (joined); an engine dropped
+without ``close`` removes its tape's hooks when it is collected (the thread, a daemon, stops with its noise source),
+and a forgotten engine that is still referenced keeps at most one step's activations.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -253,6 +259,15 @@ def _ghost_sq_norms(
     return sq if out is None else out.add_(sq)
 
 
+def _spare_core() -> bool:
+    """Whether this process may run on more cores than torch's intra-op threads use (a core for the noise)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this platform
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
+
+
 def write_flat_gradients(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
     """Write a flat vector into the parameters' ``.grad`` (in the given order)."""
     total = sum(p.numel() for p in params)
@@ -303,6 +318,7 @@ class DPSGDEngine:
         expected_batch_size: float,
         noise: NoiseSource,
         mode: ClippingMode = "bookkeeping",
+        prefetch_noise: Optional[bool] = None,
     ):
         self.max_grad_norm = check_positive("dp.max_grad_norm", max_grad_norm)
         # sigma = 0 is for tests only: events refuse it, so an accounted run can never pair with it.
@@ -317,6 +333,17 @@ class DPSGDEngine:
         if not self.params:
             raise ValidationError("module", "has no trainable parameters")
         self._tape = _LinearTape(module) if mode in ("bookkeeping", "ghost") else None
+        # Per tape layer: (position of its weight in self.params, of its bias or None when it has no trainable one).
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self._slots = [] if self._tape is None else [
+            (position[id(layer.weight)], None if layer.bias is None else position.get(id(layer.bias)))
+            for layer in self._tape.layers
+        ]
+        # Draw the next step's noise on a background thread while this step runs (CPU parameters only; the stream,
+        # hence a fixed seed's numbers, is unchanged: NoiseSource.prefetch_like). None: where a core is left over.
+        if prefetch_noise is None:
+            prefetch_noise = all(p.device.type == "cpu" for p in self.params) and _spare_core()
+        self.prefetch_noise = bool(prefetch_noise)
         self._grad_sample_module = None
         if mode == "opacus":
             from opacus import GradSampleModule
@@ -328,7 +355,10 @@ class DPSGDEngine:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Remove every hook this engine put on the module and what they recorded; idempotent."""
+        """Remove every hook this engine put on the module and what they recorded, and stop drawing noise ahead
+        (joining its thread; the noise stream is rewound to the next draw); idempotent."""
+        if self.prefetch_noise:
+            self.noise.close()
         if self._tape is not None:
             self._tape.close()
         if self._grad_sample_module is not None:
@@ -407,8 +437,8 @@ class DPSGDEngine:
                 counts = torch.bincount(unit_index, minlength=n_units)
                 units = _UnitLayout.build(unit_index, counts)
                 weights = 1.0 / counts[unit_index].to(row_losses.dtype)
-            sq_norms = self._ghost(row_losses, units, weights, second_pass=self.mode == "ghost", row_weights=row_weights)
-            self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std, sq_norms=sq_norms)
+            norms, sq_norms = self._ghost(row_losses, units, weights, self.mode == "ghost", row_weights)
+            self.last_stats = StepStats(n_units, norms, self.max_grad_norm, self.noise_std, sq_norms=sq_norms)
             return self.last_stats
         else:
             unit_index = unit_index.to(row_losses.device).long()  # (per-sample modes always index by unit)
@@ -431,7 +461,7 @@ class DPSGDEngine:
         norms = unit_vectors.norm(dim=1)
         factors = self._clip_factors(norms)
         total = (unit_vectors * factors.unsqueeze(1)).sum(0)
-        total = total + self.noise.gaussian(total.shape, self.noise_std, dtype=total.dtype).to(total.device)
+        total = total + self.noise.gaussian_like([total], self.noise_std)[0]
         self.last_stats = StepStats(len(unit_vectors), norms, self.max_grad_norm, self.noise_std)
         return total / self.expected_batch_size
 
@@ -451,67 +481,86 @@ class DPSGDEngine:
         """scale * min(1, C / norm), written as scale * C / max(norm, C) (1 for a zero gradient)."""
         return torch.clamp(norms, min=self.max_grad_norm).reciprocal_().mul_(scale * self.max_grad_norm)
 
-    def _clip_factors_sq(self, sq_norms: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """The same from squared norms: scale * C * rsqrt(max(norm^2, C^2)); no square root of the norms needed."""
-        return torch.clamp(sq_norms, min=self.max_grad_norm**2).rsqrt_().mul_(scale * self.max_grad_norm)
+    def _noise(self) -> list[torch.Tensor]:
+        """Fresh N(0, (sigma C / B)^2) tensors like the parameters (drawn where they live), in ``self.params``
+        order, so the stream does not depend on which layers ran; the next step's is started ahead if asked."""
+        std = self.noise_std / self.expected_batch_size
+        noise = self.noise.gaussian_like(self.params, std)
+        if self.prefetch_noise:
+            self.noise.prefetch_like(self.params, std)
+        return noise
 
     def _write(self, sums: Sequence[Optional[torch.Tensor]]) -> None:
         """p.grad = noise / B + sum for every parameter, the noise drawn into the gradient's own buffer.
 
-        ``sums`` are already divided by B (None: nothing but noise). The noise is drawn parameter by parameter in
-        ``self.params`` order, so its stream does not depend on which layers ran.
+        ``sums`` are already divided by B (None: nothing but noise).
         """
-        noise = self.noise.gaussian_like(self.params, self.noise_std / self.expected_batch_size)
+        noise = self._noise()
         for p, buffer, total in zip(self.params, noise, sums):
             if total is not None:
                 buffer.add_(total)
             p.grad = buffer
 
-    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool, row_weights=None) -> torch.Tensor:
-        records = self._tape.take()
-        live = [(layer, a, out) for layer, a, out in records if out is not None]
+    def _ghost(self, row_losses, units: _UnitLayout, weights, second_pass: bool, row_weights=None):
+        """Clipped sum into ``.grad``; returns (norms, squared norms) of the groups' gradients (one is None)."""
+        live = [(slot, a, out) for slot, (_, a, out) in zip(self._slots, self._tape.take()) if out is not None]
         if isinstance(weights, float):
             weighted = row_losses.sum() if weights == 1.0 else row_losses.sum() * weights
         else:
             weighted = (row_losses * weights).sum()
         grads = torch.autograd.grad(weighted, [out for _, _, out in live], retain_graph=second_pass)
+        scale = self.max_grad_norm / self.expected_batch_size  # C / B, folded into the products below
         with torch.no_grad():
-            sq = None
-            for (layer, a, _), g in zip(live, grads):
-                sq = _ghost_sq_norms(a, g, units, layer.bias is not None, out=sq)
-            # Each row's factor: its unit's clip factor, with 1/B (the division by the expected batch) folded in.
-            row_factor = units.row_values(self._clip_factors_sq(sq, 1.0 / self.expected_batch_size))
+            norms = sq = None
+            if units.block and units.kmax <= 1 and all(g.dim() == 2 for g in grads):
+                norms = self._row_norms(live, grads)  # one unit per row
+                # Each row's factor C / max(norm, C), times 1/B (the division by the expected batch): scale below.
+                row_factor = torch.clamp(norms, min=self.max_grad_norm).reciprocal_()
+            else:
+                for ((_, bias), a, _), g in zip(live, grads):
+                    sq = _ghost_sq_norms(a, g, units, bias is not None, out=sq)
+                row_factor = units.row_values(torch.clamp(sq, min=self.max_grad_norm**2).rsqrt_())
             if row_weights is not None:  # applied after clipping: each unit's clipped gradient times its weight
                 row_factor = row_factor * row_weights
             if second_pass:
                 with torch.enable_grad():
-                    sums = torch.autograd.grad((row_losses * weights * row_factor).sum(), self.params, allow_unused=True)
+                    total = (row_losses * weights * (row_factor * scale)).sum()
+                    sums = torch.autograd.grad(total, self.params, allow_unused=True)
                 self._write(list(sums))
             else:
-                self._write_bookkeeping(live, grads, row_factor)
-        return sq
+                self._write_bookkeeping(live, grads, row_factor, scale)
+        return norms, sq
 
-    def _write_bookkeeping(self, live, grads, row_factor: torch.Tensor) -> None:
-        """p.grad = noise / B + (c / B * G)^T A per layer: the clipped sum accumulated into the noise in place."""
-        noise = self.noise.gaussian_like(self.params, self.noise_std / self.expected_batch_size)
-        buffers = {id(p): n for p, n in zip(self.params, noise)}
+    def _row_norms(self, live, grads) -> torch.Tensor:
+        """Norms [rows] of single-row units' gradients: sqrt(sum over layers ||g_r||^2 (||a_r||^2 + 1)), the 1
+        for a layer with a trainable bias (the weight of a constant input 1); two row reductions per layer, then
+        a handful of operations for all layers together."""
+        g_norms = torch.stack([torch.linalg.vector_norm(g, dim=1) for g in grads])  # [layers, rows]
+        a_norms = torch.stack([torch.linalg.vector_norm(a, dim=1) for _, a, _ in live])
+        biased = [bias is not None for (_, bias), _, _ in live]
+        bias_part = g_norms if all(biased) else g_norms * g_norms.new_tensor(biased).unsqueeze(1)
+        # per layer and row ||g|| sqrt(||a||^2 + [bias]) = hypot(||g|| ||a||, [bias] ||g||); then the norm over layers
+        return torch.linalg.vector_norm(torch.hypot(g_norms * a_norms, bias_part), dim=0)
+
+    def _write_bookkeeping(self, live, grads, row_factor: torch.Tensor, scale: float) -> None:
+        """p.grad = noise / B + scale (c * G)^T A per layer: the clipped sum accumulated into the noise in place."""
+        noise = self._noise()
         column = row_factor.unsqueeze(1)
-        for (layer, a, _), g in zip(live, grads):
+        for ((weight, bias), a, _), g in zip(live, grads):
             factor, factor_column = row_factor, column
             if g.dim() != 2:  # rows with a time axis: every step of a row shares the row's factor
                 steps = g.numel() // (g.shape[-1] * row_factor.shape[0])
                 g, a = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
                 factor = row_factor.repeat_interleave(steps)
                 factor_column = factor.unsqueeze(1)
-            if layer.bias is not None and id(layer.bias) in buffers:
-                buffers[id(layer.bias)].addmv_(g.T, factor)
-            weight = buffers[id(layer.weight)]
+            if bias is not None:
+                noise[bias].addmv_(g.T, factor, alpha=scale)
             if g.shape[1] <= a.shape[1]:  # scale the narrower side: (c * G)^T A = G^T (c * A)
                 # autograd's fresh output gradient is ours to scale in place (no rows x width temporary)
                 scaled = g.mul_(factor_column) if g.is_contiguous() else g * factor_column
-                weight.addmm_(scaled.T, a)
+                noise[weight].addmm_(scaled.T, a, alpha=scale)
             else:
-                weight.addmm_(g.T, a * factor_column)
+                noise[weight].addmm_(g.T, a * factor_column, alpha=scale)
         for p, buffer in zip(self.params, noise):
             p.grad = buffer
 

@@ -4,18 +4,64 @@ Threat note. If the seed of the noise generator is known (printed in a config, c
 can regenerate the noise and subtract it from a released model: the guarantee is void. ``NoiseSource(seed=None)``,
 the default for real runs, therefore draws its seed from the operating system's CSPRNG and never reveals it. A fixed
 seed is for tests and exact reproductions; the guarantee then holds only while the seed, and every checkpoint
-(which stores the generator state), are kept secret like the data. ``dporl.privacy.secure_noise`` offers samplers
-that also resist floating-point attacks on the sampled values.
+(which stores the generator state and the device key), are kept secret like the data.
+``dporl.privacy.secure_noise`` offers samplers that also resist floating-point attacks on the sampled values.
+
+Where the noise is drawn.
+
+- CPU tensors: torch's CPU generator (MT19937) with its whole 19968-bit state secret (``SecretRoot``). The next
+  draw of a DP-SGD step can be drawn ahead on a background thread (``prefetch_like``): noise never depends on data,
+  and the draw order is kept (a pending draw that is not the next one asked for is undone by restoring the
+  generator state from before it), so a fixed seed gives the same numbers with or without drawing ahead.
+- CUDA tensors: on the device, by torch's counter-based Philox4x32-10 generator (Salmon et al. 2011, "Parallel
+  random numbers: as easy as 1, 2, 3"), re-keyed for every draw from a 256-bit secret ``device key`` (the stream's
+  own SeedSequence words, independent of the MT19937 state). Draw number t uses
+
+      (seed_t, offset_t) = keyed BLAKE2b(device key, t)     64-bit Philox key, 61-bit secret counter offset
+
+  Key space. torch's device generator takes a 64-bit seed (Philox's key) and an offset (the low 64 bits of
+  Philox's 128-bit counter; thread i of a kernel uses counter (i << 64) + offset / 4 + j). Setting both per draw
+  gives each draw 64 + 61 = 125 secret bits (the offset is a multiple of 4 below 2**63); consecutive counters of
+  one draw span at most a few thousand values, so guessing an offset near the true one saves about 12 bits at most.
+  To predict draw t one must know the device key (256 bits; BLAKE2b is a PRF) or guess that draw's ~113-125 bits;
+  the draws' keys are independent PRF outputs, so learning one draw's noise exactly says nothing about another
+  draw's. This is far stronger than the CPU stream's structure (MT19937 is linear: 624 consecutive outputs give its
+  state) and much stronger than ``manual_seed`` alone (64 bits per draw, a search within reach of a large cluster).
+
+  What it does NOT give: Philox is a statistically strong generator, not a cryptographic one (a cryptanalytic
+  break recovering a Philox key from its outputs would expose the rest of that draw, never another draw); the
+  values are textbook floating-point Box-Muller samples (``secure_noise`` for releases that must resist
+  floating-point attacks); numbers are reproducible for a fixed seed only on the same GPU model and torch version
+  (the kernel's launch grid, hence which counter feeds which element, depends on the device); and the re-keying is
+  a host call, so it cannot run inside a captured CUDA graph.
+
+  Alternative considered: a Philox or ChaCha20 kernel in Triton with a 128- or 256-bit key. Philox's key is 64 bits
+  in every implementation (a Triton kernel could set all four counter words: 192 input bits, the same kind of
+  guarantee as here), and ChaCha20 would be a real stream cipher but a new dependency and a Gaussian transform of
+  our own, neither testable without a GPU. torch's generator with a per-draw secret (key, offset) gives >= 113
+  secret bits per draw under a 256-bit PRF key, with torch's tested normal kernel.
+
+  ``NoiseSource(device_draws=False)`` draws on the CPU and copies (the same numbers on every device); a source
+  without a device key (built from a bare generator), and any subclass overriding ``gaussian`` (e.g. the exact
+  discrete samplers), also draws on the CPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import hashlib
+import os
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dporl.privacy.randomness import SecretRoot
-from dporl.utils.validation import check_positive
+from dporl.privacy.randomness import DEVICE_KEY_BYTES, SecretRoot
+from dporl.utils.validation import ValidationError, check_positive
+
+_OFFSET_BITS = 61  # secret bits of the Philox offset: multiples of 4 below 2**63 (never near unsigned wrap-around)
+_PERSON = b"dporl-dev-noise"  # BLAKE2b personalisation: these PRF outputs serve nothing else
 
 
 def secret_generator(seed: int | None = None) -> torch.Generator:
@@ -27,11 +73,97 @@ def secret_generator(seed: int | None = None) -> torch.Generator:
     return SecretRoot(seed).torch_generator("sampler")
 
 
+def device_draw_key(key: bytes, counter: int) -> tuple[int, int]:
+    """(Philox seed, Philox offset) of device draw number ``counter`` under the 256-bit ``key``: a keyed BLAKE2b
+    of the counter (a PRF), split into a 64-bit seed and a 61-bit offset times 4 (see the module docstring)."""
+    if len(key) != DEVICE_KEY_BYTES:
+        raise ValidationError("noise.device_key", f"expected {DEVICE_KEY_BYTES} bytes, got {len(key)}")
+    if counter < 0 or counter >= 1 << 64:
+        raise ValidationError("noise.device_draws", f"draw counter {counter} outside [0, 2**64)")
+    digest = hashlib.blake2b(counter.to_bytes(8, "little"), key=key, digest_size=16, person=_PERSON).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    offset = (int.from_bytes(digest[8:], "little") & ((1 << _OFFSET_BITS) - 1)) << 2
+    return seed, offset
+
+
+def _device_generator(device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device)
+
+
+def _device_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, device: torch.device,
+                   generator: torch.Generator, seed: int, offset: int) -> torch.Tensor:
+    """N(0, std^2) on ``device`` from Philox key ``seed`` at counter ``offset`` (one kernel)."""
+    generator.manual_seed(seed)  # resets the offset to 0; set it after
+    generator.set_offset(offset)
+    return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+
+
+class _Worker:
+    """One daemon thread that runs one job at a time (the next step's noise draw), fed through two queues.
+
+    The worker never refers to the source it serves (jobs are dropped once run), so a source that is collected
+    stops its worker (``weakref.finalize``); ``stop`` joins the thread.
+    """
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.busy = False  # a job was submitted and its outcome not yet taken (the caller's thread only)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_work, args=(self._jobs, self._outcomes),
+                                        name="dporl-noise-prefetch", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self._thread.is_alive()  # a forked child has no such thread
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        if self.busy:
+            raise RuntimeError("the noise worker is busy")  # callers settle first; never two jobs at once
+        self.busy = True
+        self._jobs.put(job)
+
+    def result(self) -> Any:
+        value, error = self._outcomes.get()
+        self.busy = False
+        if error is not None:
+            raise error
+        return value
+
+    def stop(self) -> None:
+        if self.pid != os.getpid():
+            return
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _work(jobs: queue.SimpleQueue, outcomes: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            outcome = (job(), None)
+        except BaseException as error:  # handed to the caller, who raises it
+            outcome = (None, error)
+        del job
+        outcomes.put(outcome)
+        del outcome
+
+
 class NoiseSource:
-    """Gaussian and Laplace draws from one torch generator (CPU, so results do not depend on the device)."""
+    """Gaussian and Laplace draws: Gaussian noise for CUDA tensors on the device, everything else on the CPU
+    (see the module docstring for both generators, their keys and what a fixed seed reproduces)."""
 
     def __init__(
-        self, seed: int | None = None, *, generator: torch.Generator | None = None, reproducible: bool | None = None
+        self,
+        seed: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        reproducible: bool | None = None,
+        device_key: bytes | None = None,
+        device_draws: bool = True,
     ):
         if generator is not None:
             if seed is not None:
@@ -39,42 +171,181 @@ class NoiseSource:
             self._generator = generator
             self.reproducible = bool(reproducible)
         else:
-            self._generator = SecretRoot(seed).torch_generator("noise")
+            material = SecretRoot(seed).noise("noise")
+            self._generator, device_key = material._generator, material._device_key
             self.reproducible = seed is not None
+        if device_key is not None and len(device_key) != DEVICE_KEY_BYTES:
+            raise ValidationError("noise.device_key", f"expected {DEVICE_KEY_BYTES} bytes, got {len(device_key)}")
+        self._device_key = None if device_key is None else bytes(device_key)
+        self.device_draws = bool(device_draws)
+        self._device_counter = 0  # device draws made so far: draw t is keyed by device_draw_key(key, t)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self._worker: Optional[_Worker] = None
+        self._worker_finalizer = None
+        # (request, generator state before the draw) of a draw running ahead on the worker
+        self._pending: Optional[tuple[tuple, torch.Tensor]] = None
 
-    def gaussian(self, shape: Sequence[int] | int, std: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # ------------------------------------------------------------------ Gaussian
+    def gaussian(
+        self, shape: Sequence[int] | int, std: float, dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """N(0, std^2) of ``shape``; on ``device`` (drawn there for CUDA, see the module docstring)."""
         std = check_positive("noise.std", std, allow_zero=True)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        device = None if device is None else torch.device(device)
+        if device is not None and self._draws_on(device):
+            return self._device_gaussian(shape, std, dtype, device)
+        self._settle()
         # Drawn directly in the target precision, as Opacus does: float64 draws cost 5x more per DP-SGD step.
-        return torch.normal(0.0, std, shape, generator=self._generator, dtype=dtype)
+        values = torch.normal(0.0, std, shape, generator=self._generator, dtype=dtype)
+        return values if device is None or device.type == "cpu" else values.to(device, non_blocking=True)
 
     def gaussian_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
         """Fresh N(0, std^2) tensors shaped, typed and placed like ``tensors`` (e.g. one per parameter).
 
-        One draw of the total size, split into views (no concatenation, no copy on the CPU; one transfer to an
-        accelerator), so the values are the same whatever device the tensors live on, and a subclass that
-        overrides ``gaussian`` (e.g. exact discrete noise) is drawn through it.
+        One draw of the total size, split into views (no concatenation, no copy), in the tensors' order; on CUDA
+        it is drawn on the device (one kernel), elsewhere on the CPU stream (a draw made ahead by ``prefetch_like``
+        for the same request is used, see there). A subclass that overrides ``gaussian`` (e.g. exact discrete
+        noise) is drawn through it on the CPU and copied.
         """
         if not tensors:
             return []
-        sizes = [t.numel() for t in tensors]
-        flat = self.gaussian(sum(sizes), std, dtype=tensors[0].dtype)
-        if tensors[0].device.type != "cpu":
-            flat = flat.to(tensors[0].device, non_blocking=True)
-        return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split(sizes), tensors)]
+        std = check_positive("noise.std", std, allow_zero=True)
+        device, dtype = tensors[0].device, tensors[0].dtype
+        if self._fast() and all(t.dtype == dtype for t in tensors):
+            if self._draws_on(device):
+                flat = self._device_gaussian((sum(t.numel() for t in tensors),), std, tensors[0].dtype, device)
+                return _split_like(flat, tensors)
+            if device.type == "cpu":
+                request = _request(tensors, std)
+                if self._pending is not None and self._pending[0] == request:
+                    return self._take_pending()
+                self._settle()
+                return _draw_like(self._generator, request, tensors)
+        flat = self.gaussian(sum(t.numel() for t in tensors), std, dtype=tensors[0].dtype)
+        if device.type != "cpu":
+            flat = flat.to(device, non_blocking=True)
+        return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
+    def prefetch_like(self, tensors: Sequence[torch.Tensor], std: float) -> bool:
+        """Start drawing the next ``gaussian_like(tensors, std)`` of CPU tensors on a background thread.
+
+        The draw is the very one the next call would make (the generator state before it is kept): if the next
+        draw asked for is another one (other shapes, another std, a Laplace draw, ``state_dict``), the draw made
+        ahead is dropped and the generator rewound, so the stream a fixed seed gives never changes. Returns whether
+        a draw was started (never for CUDA tensors, drawn on the device, nor for a subclass's own ``gaussian``).
+        Call ``close`` (``DPSGDEngine.close`` does) to stop the thread.
+        """
+        if not tensors or not self._fast() or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
+            return False
+        std = check_positive("noise.std", std, allow_zero=True)
+        self._settle()
+        if self._worker is None or not self._worker.alive():
+            self._worker = _Worker()
+            self._worker_finalizer = weakref.finalize(self, self._worker.stop)
+        request, like = _request(tensors, std), list(tensors)
+        state = self._generator.get_state()
+        generator = self._generator
+        self._worker.submit(lambda: _draw_like(generator, request, like))
+        self._pending = (request, state)
+        return True
+
+    def close(self) -> None:
+        """Drop a draw made ahead (rewinding the stream) and stop the background thread; the source stays usable."""
+        self._settle()
+        if self._worker_finalizer is not None:
+            self._worker_finalizer()  # stops and joins the thread once
+        self._worker, self._worker_finalizer = None, None
+
+    # ------------------------------------------------------------------ Laplace
     def laplace(self, shape: Sequence[int] | int, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         scale = check_positive("noise.scale", scale)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self._settle()
         # Difference of two Exp(1) variables is Laplace(1); avoids log(0) at the ends of the uniform's support.
         first = torch.empty(shape, dtype=torch.float64).exponential_(generator=self._generator)
         second = torch.empty(shape, dtype=torch.float64).exponential_(generator=self._generator)
         return ((first - second) * scale).to(dtype)
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._generator.get_state(), "reproducible": self.reproducible}
+        self._settle()
+        state = {"generator": self._generator.get_state(), "reproducible": self.reproducible,
+                 "device_draws": self._device_counter}
+        if self._device_key is not None:
+            state["device_key"] = torch.tensor(list(self._device_key), dtype=torch.uint8)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._settle()
+        counter = state.get("device_draws", 0)
+        if isinstance(counter, bool) or not isinstance(counter, int) or not 0 <= counter < 1 << 64:
+            raise ValidationError("noise.device_draws", f"expected a draw count in [0, 2**64), got {counter!r}")
+        key = state.get("device_key")
+        if key is not None:
+            if not isinstance(key, torch.Tensor) or key.dtype != torch.uint8 or key.shape != (DEVICE_KEY_BYTES,):
+                raise ValidationError("noise.device_key", f"expected {DEVICE_KEY_BYTES} uint8 values")
+            key = bytes(key.tolist())
         self._generator.set_state(state["generator"])
         self.reproducible = bool(state["reproducible"])
+        self._device_counter = counter
+        if key is not None:
+            self._device_key = key
 
+    # ------------------------------------------------------------------ internals
+    def _fast(self) -> bool:
+        """Whether this source's Gaussian is the base class's (device draws and drawing ahead apply)."""
+        return type(self).gaussian is NoiseSource.gaussian
+
+    def _draws_on(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.device_draws and self._device_key is not None and self._fast()
+
+    def _device_gaussian(self, shape, std: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
+        generator = self._device_generators.get(device)
+        if generator is None:
+            generator = self._device_generators[device] = _device_generator(device)
+        seed, offset = device_draw_key(self._device_key, self._device_counter)
+        self._device_counter += 1
+        return _device_normal(shape, std, dtype, device, generator, seed, offset)
+
+    def _take_pending(self) -> list[torch.Tensor]:
+        request, state = self._pending
+        self._pending = None
+        try:
+            return self._worker.result()
+        except BaseException:
+            self._generator.set_state(state)  # the draw failed: the stream stands where it stood before it
+            raise
+
+    def _settle(self) -> None:
+        """Drop a draw made ahead, if any, and put the generator back where it stood before it."""
+        if self._pending is None:
+            return
+        _, state = self._pending
+        self._pending = None
+        if self._worker is not None and self._worker.alive():
+            try:
+                self._worker.result()
+            except Exception:  # the dropped draw's own failure: nothing of it is used
+                pass
+        else:  # a forked child: the thread that drew does not exist here
+            self._worker, self._worker_finalizer = None, None
+        self._generator.set_state(state)
+
+
+def _request(tensors: Sequence[torch.Tensor], std: float) -> tuple:
+    return tuple(t.shape for t in tensors), tensors[0].dtype, float(std)
+
+
+def _draw_like(generator: torch.Generator, request: tuple, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    shapes, dtype, std = request
+    flat = torch.normal(0.0, std, (sum(s.numel() for s in shapes),), generator=generator, dtype=dtype)
+    return _split_like(flat, tensors)
+
+
+def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors``, in order (one call into torch, as DDP's bucket views)."""
+    return list(torch._utils._unflatten_dense_tensors(flat, tensors))

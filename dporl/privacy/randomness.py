@@ -30,6 +30,7 @@ from dporl.utils.validation import ValidationError
 
 ROOT_BITS = 256  # entropy of a root drawn from the OS CSPRNG
 _MT_WORDS = 624  # MT19937 state words
+DEVICE_KEY_BYTES = 32  # the key of a noise stream's device draws (dporl.privacy.noise)
 # Layout of torch's CPU generator state (CPUGeneratorImplState): the_initial_seed u64, left i32, seeded i32, next u64,
 # state u64[624], normal_x/y/rho f64, normal_is_valid i32 (+pad), next_float_normal_sample f32, its valid flag (+pad).
 _STATE_BYTES = 5056
@@ -108,10 +109,13 @@ class SecretRoot:
         return int.from_bytes(words.astype("<u4").tobytes(), "little") % (1 << bits)
 
     def noise(self, name: str):
-        """A ``NoiseSource`` drawing from stream ``name``."""
+        """A ``NoiseSource`` drawing from stream ``name``: the MT19937 state is the stream's first 624 words (the
+        same as ``torch_generator(name)``'s), the 256-bit key of its device draws the next 8 words."""
         from dporl.privacy.noise import NoiseSource
 
-        return NoiseSource(generator=self.torch_generator(name), reproducible=self.reproducible)
+        words = self.sequence(name).generate_state(_MT_WORDS + DEVICE_KEY_BYTES // 4, np.uint32)
+        return NoiseSource(generator=torch_generator_from_words(words[:_MT_WORDS]), reproducible=self.reproducible,
+                           device_key=words[_MT_WORDS:].astype("<u4").tobytes())
 
     def child(self, name: str) -> "SecretRoot":
         """The root of one sub-run (a Trainer run among many of one pipeline invocation, whose streams are named by
