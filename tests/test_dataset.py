@@ -430,11 +430,11 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     path = old.save(tmp_path / "d.npz")
     before = path.read_bytes()
 
-    def exploding_savez(handle, **arrays):
+    def exploding_write(handle, array, **kwargs):  # every member is written through np.lib.format.write_array
         handle.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", exploding_savez)
+    monkeypatch.setattr(np.lib.format, "write_array", exploding_write)
     new, _ = make_dataset(seed=17)
     with pytest.raises(OSError):
         new.save(path)

@@ -45,6 +45,9 @@ import hashlib
 import json
 import math
 import os
+import struct
+import warnings
+import zipfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -52,6 +55,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from dporl.utils.grouping import stable_group_order
 from dporl.utils.io import atomic_write
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
@@ -238,6 +242,51 @@ class PaddedTrajectories:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
+def shared_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory, also when the array is read-only (a dataset's stored arrays, a memory
+    map). The tensor must never be written: it exists to be indexed (``index_select``) by batch sources."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+class EpisodeObservations:
+    """Per-transition observations (``shift`` 0) or next observations (``shift`` 1), gathered on demand.
+
+    In the flat layout transition t of episode e has observation ``t + e`` and next observation ``t + e + 1``;
+    ``index_select(0, rows)`` finds each row's episode by a binary search over the episode ends and gathers those
+    rows only, so a batch source over a dataset holds no per-transition copy of the observations (a sampled step
+    reads only its sampled rows: a memory-mapped dataset stays on disk).
+    """
+
+    def __init__(self, observations: torch.Tensor, episode_ends: torch.Tensor, shift: int):
+        self.observations = observations
+        self.episode_ends = episode_ends  # int64 [n_episodes]: cumulative episode lengths
+        self.shift = shift
+        n_transitions = int(episode_ends[-1]) if len(episode_ends) else 0
+        self.shape = torch.Size((n_transitions, *observations.shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.observations.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.observations.device
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValidationError("dim", f"observations are gathered by row (dim 0), got dim {dim}")
+        episode = torch.searchsorted(self.episode_ends, rows, right=True)
+        return self.observations.index_select(0, rows + episode + self.shift)
+
+    def to(self, device: torch.device | str) -> "EpisodeObservations":
+        return EpisodeObservations(self.observations.to(device), self.episode_ends.to(device), self.shift)
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -348,14 +397,14 @@ class TrajectoryDataset:
                 f"expected shape {expected_obs} (n_transitions + n_episodes observations of metadata.obs_shape), "
                 f"got {self.observations.shape}",
             )
-        check_finite("observations", self.observations)
-        check_finite("rewards", self.rewards)
+        _check_finite_chunked("observations", self.observations)
+        _check_finite_chunked("rewards", self.rewards)
         check_int_range("actions", self.actions, 0, meta.n_actions)
         check_int_range("expert_ids", self.expert_ids, 0, meta.n_experts)
         if n_episodes and self.start_steps.min() < 0:
             raise ValidationError("start_steps", f"must be >= 0, found {int(self.start_steps.min())}")
         if self.behavior_log_probs is not None:
-            check_finite("behavior_log_probs", self.behavior_log_probs)
+            _check_finite_chunked("behavior_log_probs", self.behavior_log_probs)
             if n_transitions and self.behavior_log_probs.max() > 0:
                 raise ValidationError(
                     "behavior_log_probs",
@@ -365,15 +414,13 @@ class TrajectoryDataset:
 
     def _validate_boundaries(self, n_transitions: int) -> None:
         last = np.cumsum(self.episode_lengths) - 1
-        is_last = np.zeros(n_transitions, dtype=bool)
-        is_last[last] = True
         for name in ("terminations", "truncations"):
-            inside = np.flatnonzero(getattr(self, name) & ~is_last)
+            flagged = np.flatnonzero(getattr(self, name))  # at most one per episode when valid: no [N] temporary
+            inside = flagged[last[np.searchsorted(last, flagged)] != flagged]  # the episode's end is not the flag
             if len(inside):
-                episode = int(np.searchsorted(last, inside[0]))
                 raise ValidationError(
-                    name, f"transition {int(inside[0])} (inside episode {episode}) is flagged but is not the "
-                    "episode's last step; only an episode's last step may end it"
+                    name, f"transition {int(inside[0])} (inside episode {int(np.searchsorted(last, inside[0]))}) is "
+                    "flagged but is not the episode's last step; only an episode's last step may end it"
                 )
         open_ended = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
         if len(open_ended):
@@ -555,20 +602,35 @@ class TrajectoryDataset:
             next_obs=np.take(self.observations, obs_index, axis=0),
             terminated=self.terminations.copy(),
             truncated=self.truncations.copy(),
-            expert_ids=self.expert_ids[episode_ids],
+            expert_ids=np.repeat(self.expert_ids, self.episode_lengths),
             episode_ids=episode_ids,
             timesteps=_ranges(self.start_steps, self.episode_lengths),
             behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs.copy(),
         )
 
+    def transition_columns(self) -> dict[str, Any]:
+        """Per-transition columns for batch sources, without copying the data: ``actions``, ``rewards``,
+        ``terminated``, ``truncated`` (and ``behavior_log_probs`` when logged) are tensors sharing the stored,
+        read-only arrays (never write to them); ``obs`` and ``next_obs`` are ``EpisodeObservations`` that gather
+        their rows from the flat observations when indexed. Memory: one int64 per episode."""
+        ends = torch.from_numpy(np.cumsum(self.episode_lengths))
+        observations = shared_tensor(self.observations)
+        columns = {
+            "obs": EpisodeObservations(observations, ends, 0),
+            "next_obs": EpisodeObservations(observations, ends, 1),
+            "actions": shared_tensor(self.actions),
+            "rewards": shared_tensor(self.rewards),
+            "terminated": shared_tensor(self.terminations),
+            "truncated": shared_tensor(self.truncations),
+        }
+        if self.behavior_log_probs is not None:
+            columns["behavior_log_probs"] = shared_tensor(self.behavior_log_probs)
+        return columns
+
     def expert_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Episodes grouped by expert (CSR): expert i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
         dataset order."""
-        order = np.argsort(self.expert_ids, kind="stable").astype(np.int64)
-        counts = np.bincount(self.expert_ids, minlength=self.metadata.n_experts)
-        offsets = np.zeros(self.metadata.n_experts + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        return order, offsets
+        return stable_group_order(self.expert_ids, self.metadata.n_experts)  # a counting sort: linear
 
     def padded(self, episode_indices: Any = None) -> PaddedTrajectories:
         """The selected episodes (default: all, in order) padded to the longest selected one."""
@@ -762,6 +824,9 @@ class TrajectoryDataset:
     def fingerprint(self) -> str:
         """sha256 of the content (metadata JSON and every array's dtype, shape and bytes), independent of the file
         it came from: what run directories record as the provenance of their input data."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None:  # the arrays are read-only views: the content cannot have changed
+            return cached
         digest = hashlib.sha256(json.dumps(self.metadata.to_dict(), sort_keys=True).encode())
         for name in _ARRAY_DTYPES:
             array = getattr(self, name)
@@ -770,8 +835,12 @@ class TrajectoryDataset:
                 digest.update(b"absent")
                 continue
             digest.update(f"{array.dtype.str}{array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).tobytes())
-        return digest.hexdigest()
+            flat = np.ascontiguousarray(array).reshape(-1)  # a view for stored arrays: hashed in place, in chunks
+            step = max(1, _CHUNK_BYTES // max(flat.itemsize, 1))
+            for start in range(0, len(flat), step):
+                digest.update(memoryview(flat[start : start + step]).cast("B"))
+        self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> Path:
@@ -786,15 +855,22 @@ class TrajectoryDataset:
         }
 
         def write(tmp: Path) -> None:
-            with open(tmp, "wb") as handle:  # a file handle: np.savez must not append its own ".npz"
-                np.savez(handle, **payload)
+            with open(tmp, "wb") as handle:
+                write_npz_members(handle, payload)
 
         return atomic_write(path, write, suffix=".npz")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TrajectoryDataset":
-        """Read and fully validate a dataset written by ``save``."""
-        contents = _read_archive(Path(path))
+    def load(cls, path: str | os.PathLike, *, mmap: bool = False) -> "TrajectoryDataset":
+        """Read and fully validate a dataset written by ``save``.
+
+        ``mmap=True`` maps the arrays from the file instead of reading them (data larger than RAM): pages are read
+        when touched and belong to the page cache, and the batch sources gather only their sampled rows.
+        Validation still reads every value once, in chunks. Members that cannot be mapped (compressed, or not
+        aligned to their dtype: files written by a bare ``np.savez``) are read as usual. The file must not change
+        while the dataset is in use: the arrays are its pages.
+        """
+        contents = _map_archive(Path(path)) if mmap else _read_archive(Path(path))
         version = contents.pop("format_version")
         if version.shape != () or version.dtype.kind not in "iu":
             raise ValidationError("format_version", f"expected an integer scalar, got {version.dtype} {version.shape}")
@@ -816,8 +892,108 @@ class TrajectoryDataset:
         return cls(metadata=metadata, **contents)
 
 
-def _read_archive(path: Path) -> dict[str, np.ndarray]:
-    """Every member of the archive as an array; any failure to read the container is a ValidationError."""
+_CHUNK_BYTES = 1 << 24  # validation and hashing walk large arrays in pieces this size: no full-size temporaries
+
+
+def _check_finite_chunked(field_name: str, array: np.ndarray) -> None:
+    """``check_finite`` over row chunks, so a large (or memory-mapped) array needs no full-size boolean mask."""
+    flat = array.reshape(-1)
+    step = max(1, _CHUNK_BYTES // max(flat.itemsize, 1))
+    bad = 0
+    for start in range(0, len(flat), step):
+        chunk = flat[start : start + step]
+        bad += len(chunk) - int(np.count_nonzero(np.isfinite(chunk)))
+    if bad:
+        raise ValidationError(field_name, f"contains {bad} non-finite value(s) (NaN or inf)")
+
+
+_ALIGN = 64  # array data in a saved archive start on 64-byte boundaries of the file (the npy header is padded too)
+_PAD_FIELD = 0xD935  # zip extra-field id of a field that only pads (the id Android's zipalign uses)
+
+
+def write_npz_members(handle: Any, members: Mapping[str, np.ndarray]) -> None:
+    """Write ``members`` as an uncompressed ``.npz`` to the seekable binary ``handle``, each array's data aligned.
+
+    The file is an ordinary npz (``np.load`` reads it; members are ``.npy`` files stored without compression, no
+    pickles). Each member's local zip header carries a padding extra field sized so that the member starts on a
+    64-byte boundary; the ``.npy`` header pads itself to 64 bytes, so every array's data starts on a 64-byte
+    boundary of the file and ``TrajectoryDataset.load(path, mmap=True)`` can map it. Arrays are written in chunks
+    (a memory-mapped input is never loaded whole).
+    """
+    with zipfile.ZipFile(handle, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in members.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_STORED
+            # local header: 30 fixed bytes, the name, our field (4 + pad bytes), the zip64 field (20 bytes, forced)
+            header = 30 + len(info.filename.encode("ascii")) + 4 + 20
+            pad = -(handle.tell() + header) % _ALIGN
+            info.extra = struct.pack("<HH", _PAD_FIELD, pad) + bytes(pad)
+            with archive.open(info, mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def _map_member(path: Path, handle: Any, info: zipfile.ZipInfo) -> Optional[np.ndarray]:
+    """Member ``info`` of the archive at ``path`` as a read-only memory map, or None when it cannot be mapped
+    (compressed, not a version 1/2 ``.npy``, or data not aligned to its dtype). Sizes are checked against the
+    member before anything is mapped; an object dtype is refused (no pickles)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    handle.seek(info.header_offset)
+    local = handle.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValidationError(info.filename[:-4], f"member of {path} has a corrupt zip header")
+    name_length, extra_length = struct.unpack("<HH", local[26:30])
+    start = info.header_offset + 30 + name_length + extra_length
+    handle.seek(start)
+    version = np.lib.format.read_magic(handle)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+    else:
+        return None
+    if dtype.hasobject:
+        raise ValidationError(info.filename[:-4], f"member of {path} holds Python objects (pickles are refused)")
+    offset = handle.tell()
+    size = math.prod(shape) * dtype.itemsize
+    if offset + size > start + info.file_size:
+        raise ValidationError(info.filename[:-4], f"member of {path} is truncated: {shape} {dtype} needs {size} "
+                              f"bytes, the member holds {start + info.file_size - offset}")
+    if offset % dtype.alignment or size == 0 or not shape:
+        return None
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+def _map_archive(path: Path) -> dict[str, np.ndarray]:
+    """Like ``_read_archive`` with the arrays memory-mapped where possible (see ``TrajectoryDataset.load``)."""
+    if not path.is_file():
+        raise ValidationError("path", f"no dataset file at {path}")
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # not a zip: the reading path names the problem
+        return _read_archive(path)
+    with archive, open(path, "rb") as handle:
+        members = {info.filename[:-4]: info for info in archive.infolist() if info.filename.endswith(".npy")}
+        mapped: dict[str, np.ndarray] = {}
+        for key, info in members.items():
+            if key not in _ARRAY_DTYPES:
+                continue  # the reading path below names unexpected members and reads the small ones
+            try:
+                array = _map_member(path, handle, info)
+            except ValidationError:
+                raise
+            except Exception as exc:  # a bad npy header: the member is corrupt
+                raise ValidationError(
+                    key, f"member of {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+                ) from exc
+            if array is not None:
+                mapped[key] = array
+    return _read_archive(path, skip=frozenset(mapped)) | mapped
+
+
+def _read_archive(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Every member of the archive (except those in ``skip``, mapped by the caller) as an array; any failure to
+    read the container is a ValidationError."""
     if not path.is_file():
         raise ValidationError("path", f"no dataset file at {path}")
     arrays: dict[str, np.ndarray] = {}
@@ -835,7 +1011,7 @@ def _read_archive(path: Path) -> dict[str, np.ndarray]:
         missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
         if missing:
             raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
-        for key in sorted(keys):
+        for key in sorted(keys - skip):
             try:
                 arrays[key] = archive[key]
             except Exception as exc:  # CRC, EOF, bad npy header, allocation: the member is corrupt
