@@ -295,3 +295,36 @@ def test_fingerprint_hashes_the_same_bytes_in_chunks(monkeypatch):
     assert dataset.fingerprint() == digest.hexdigest()
     without = dataset.replace(behavior_log_probs=None)
     assert without.fingerprint() != dataset.fingerprint()
+
+
+# ---------------------------------------------------------------- the pipeline on a mapped file
+def test_a_run_on_a_mapped_file_equals_the_run_on_the_read_file(tmp_path):
+    from test_expert_cql import config, log_lqr_experts
+
+    from dporl.pipelines.expert_cql import run
+    from dporl.utils.io import load_weights
+
+    (tmp_path / "logged").mkdir()
+    logged = log_lqr_experts(tmp_path / "logged", {"data.npz": 0})
+    results = []
+    for mmap in (False, True):
+        cfg = config(logged, tmp_path / f"mmap_{mmap}", method="dp_sgd",
+                     **{"data.mmap": mmap, "trainer.max_steps": 12, "trainer.eval_every": 12,
+                        "trainer.checkpoint_every": 12})
+        summary = run(cfg)
+        weights = sorted((tmp_path / f"mmap_{mmap}" / "run" / "release").rglob("weights.pt"))
+        assert weights, "the run released no weights"
+        results.append((summary["steps"], load_weights(weights[0], "weights")))
+    (steps_read, read), (steps_mapped, mapped) = results
+    assert steps_read == steps_mapped == 12
+    assert read.keys() == mapped.keys() and all(torch.equal(read[k], mapped[k]) for k in read)
+
+
+def test_mmap_applies_to_npz_files_only():
+    from dporl.pipelines.expert_cql import ExpertCQLConfig
+    from dporl.utils.config import from_dict
+
+    for data in ({"format": "minari", "path": "d-v0", "unit": "u", "mmap": True}, {"path": "d.npz", "mmap": "yes"}):
+        with pytest.raises(ValidationError) as info:
+            from_dict(ExpertCQLConfig, {"data": data})
+        assert info.value.field == "data.mmap"

@@ -21,6 +21,12 @@ written atomically, holding exactly these members::
     start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
     behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
 
+Every member is a ``.npy`` file stored without compression whose array data starts on a 64-byte boundary of the
+archive (a padding zip extra field, id 0xD935, in the member's local header; the ``.npy`` header pads itself to
+64 bytes; ``write_npz_members``), so ``load(path, mmap=True)`` maps the arrays straight from the file (data larger
+than RAM). Any npz reader reads the file. Archives written by a bare ``np.savez`` load too: what is aligned is
+mapped, the rest read.
+
 Privacy units. ``expert_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
 logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None, the historical meaning). A table
 imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by the user's column: ``unit_column``
@@ -37,6 +43,8 @@ Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, bound
 ``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
 
 Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``_ranges``).
+``transition_columns()`` gives batch sources the per-transition columns without copying: tensors sharing the
+stored arrays, and observations gathered per batch from the episode layout (``EpisodeObservations``).
 """
 
 from __future__ import annotations
@@ -589,22 +597,27 @@ class TrajectoryDataset:
 
     # ------------------------------------------------------------------ views
     def transitions(self) -> Transitions:
-        # In-place index arithmetic: fresh large allocations (page faults) cost more than the gathers themselves.
+        """Every transition as fresh, writable arrays (a copy of the data: batch sources use the zero-copy
+        ``transition_columns`` instead). Linear in the data; the index arithmetic reuses one buffer, since fresh
+        large allocations (page faults) cost more than the gathers themselves."""
         episode_ids = np.repeat(np.arange(self.n_episodes, dtype=np.int64), self.episode_lengths)
-        obs_index = np.arange(self.n_transitions, dtype=np.int64)
-        obs_index += episode_ids  # episode e's transitions start e observations later (one extra obs per episode)
-        obs = np.take(self.observations, obs_index, axis=0)  # row gathers: much faster than fancy indexing
-        obs_index += 1
+        index = np.arange(self.n_transitions, dtype=np.int64)
+        index += episode_ids  # episode e's transitions start e observations later (one extra obs per episode)
+        obs = np.take(self.observations, index, axis=0)  # row gathers: much faster than fancy indexing
+        index += 1
+        next_obs = np.take(self.observations, index, axis=0)
+        # The same buffer becomes the time index: (t + e + 1) - (first observation of e + 1) + start step of e.
+        index -= np.repeat(self._observation_starts + 1 - self.start_steps, self.episode_lengths)
         return Transitions(
             obs=obs,
             actions=self.actions.copy(),
             rewards=self.rewards.copy(),
-            next_obs=np.take(self.observations, obs_index, axis=0),
+            next_obs=next_obs,
             terminated=self.terminations.copy(),
             truncated=self.truncations.copy(),
             expert_ids=np.repeat(self.expert_ids, self.episode_lengths),
             episode_ids=episode_ids,
-            timesteps=_ranges(self.start_steps, self.episode_lengths),
+            timesteps=index,
             behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs.copy(),
         )
 
