@@ -198,7 +198,7 @@ def test_poisson_subset_at_a_million_units_is_binomial_and_uniform_over_units():
     statistic, threshold = _chi_square_fits(np.bincount(sizes, minlength=len(support))[: len(support)],
                                             steps * stats.binom.pmf(support, m, q))
     assert statistic <= threshold, (statistic, threshold)
-    # Inclusions spread uniformly over the units: 100 blocks of 10^4 units, each block's total ~ Binomial(steps 10^4, q).
+    # Inclusions spread uniformly over the units: 100 blocks of 10^4 units, each total ~ Binomial(steps 10^4, q).
     blocks = np.bincount(torch.cat(positions).numpy() // 10_000, minlength=100)
     statistic, threshold = _chi_square_fits(blocks, np.full(100, steps * 10_000 * q))
     assert statistic <= threshold, (statistic, threshold)
@@ -239,9 +239,11 @@ def _argsort_index(unit_of_row, n_units):
     return order, counts, torch.cumsum(counts, 0) - counts
 
 
+@pytest.mark.parametrize("short_runs", [0, 10**9])  # every mode: the search, or a per-row order
 @pytest.mark.parametrize("group", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_unit_index_from_runs_matches_a_stable_argsort_of_the_rows(seed, group):
+def test_unit_index_from_runs_matches_a_stable_argsort_of_the_rows(seed, group, short_runs, monkeypatch):
+    monkeypatch.setattr(_UnitIndex, "SHORT_RUNS", short_runs)
     lengths, units, unit_of_row = _episode_units(seed, group=group)
     n_units, n_rows = 40, len(unit_of_row)
     order, counts, offsets = _argsort_index(unit_of_row, n_units)
@@ -249,7 +251,8 @@ def test_unit_index_from_runs_matches_a_stable_argsort_of_the_rows(seed, group):
     g = torch.Generator().manual_seed(100 + seed)
     for runs in (unit_of_row, UnitRuns.of_rows(unit_of_row), UnitRuns(lengths, units)):
         index = _UnitIndex(runs, n_units, n_rows)
-        assert index._contiguous == bool(torch.all(unit_of_row[1:] >= unit_of_row[:-1]))
+        sorted_units = bool(torch.all(unit_of_row[1:] >= unit_of_row[:-1]))
+        assert index.mode == ("contiguous" if sorted_units else "search" if short_runs == 0 else "order")
         assert torch.equal(index.counts, counts) and torch.equal(index.offsets, offsets)
         owner = torch.repeat_interleave(torch.arange(n_units), counts)
         within = torch.arange(n_rows) - torch.repeat_interleave(offsets, counts)
@@ -276,11 +279,13 @@ def test_runs_and_rows_give_the_same_batches():
         assert a.n_units == b.n_units
 
 
-@pytest.mark.parametrize("unit_of_row", [
-    [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 2, 0, 0],  # unit 0: 7 rows in three runs (binary-search path)
-    [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2],  # every unit contiguous (direct path)
+@pytest.mark.parametrize("unit_of_row, short_runs", [
+    ([0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 2, 0, 0], 0),  # unit 0: 7 rows in three runs (binary search)
+    ([0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 2, 0, 0], 10**9),  # the same through a per-row order
+    ([0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2], 0),  # every unit contiguous (direct)
 ])
-def test_rows_within_a_unit_are_uniform(unit_of_row):
+def test_rows_within_a_unit_are_uniform(unit_of_row, short_runs, monkeypatch):
+    monkeypatch.setattr(_UnitIndex, "SHORT_RUNS", short_runs)
     unit_of_row = torch.tensor(unit_of_row)
     source = PoissonUnitSource({"row": torch.arange(len(unit_of_row))}, unit_of_row, 4, 1.0, rows_per_unit=3)
     g = torch.Generator().manual_seed(9)

@@ -42,7 +42,7 @@ placeholder cannot move any estimate (tested by swapping the placeholder for hug
 Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, boundaries, metadata types) and raises
 ``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
 
-Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``_ranges``).
+Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``concat_ranges``).
 ``transition_columns()`` gives batch sources the per-transition columns without copying: tensors sharing the
 stored arrays, and observations gathered per batch from the episode layout (``EpisodeObservations``).
 """
@@ -63,7 +63,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from dporl.utils.grouping import stable_group_order
+from dporl.utils.grouping import concat_ranges, stable_group_order
 from dporl.utils.io import atomic_write
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
@@ -258,29 +258,58 @@ def shared_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-class EpisodeObservations:
-    """Per-transition observations (``shift`` 0) or next observations (``shift`` 1), gathered on demand.
+class FlatEpisodes:
+    """A dataset's flat observations with its episode ends: what ``EpisodeObservations`` columns gather from.
 
-    In the flat layout transition t of episode e has observation ``t + e`` and next observation ``t + e + 1``;
-    ``index_select(0, rows)`` finds each row's episode by a binary search over the episode ends and gathers those
-    rows only, so a batch source over a dataset holds no per-transition copy of the observations (a sampled step
-    reads only its sampled rows: a memory-mapped dataset stays on disk).
+    Transition t of episode e has observation ``t + e`` (next observation ``t + e + 1``). The episode of each row
+    is found by a binary search over the episode ends; the last lookup is kept, so the ``obs`` and ``next_obs``
+    columns of one batch (gathered with the same row tensor) search once. ``to(device)`` is memoised, so both
+    columns moved to a device still share one copy of the observations.
     """
 
-    def __init__(self, observations: torch.Tensor, episode_ends: torch.Tensor, shift: int):
+    def __init__(self, observations: torch.Tensor, episode_ends: torch.Tensor):
         self.observations = observations
         self.episode_ends = episode_ends  # int64 [n_episodes]: cumulative episode lengths
+        self.n_transitions = int(episode_ends[-1]) if len(episode_ends) else 0
+        self._moved: dict[torch.device, FlatEpisodes] = {}
+        self._last: Optional[tuple[torch.Tensor, int, torch.Tensor]] = None
+
+    def observation_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """Index of each transition's observation in the flat array (``rows`` + its episode index)."""
+        last = self._last
+        if last is not None and last[0] is rows and last[1] == rows._version:
+            return last[2]
+        index = rows + torch.searchsorted(self.episode_ends, rows, right=True)
+        self._last = (rows, rows._version, index)
+        return index
+
+    def to(self, device: torch.device | str) -> "FlatEpisodes":
+        device = torch.device(device)
+        if device == self.observations.device:
+            return self
+        if device not in self._moved:
+            self._moved[device] = FlatEpisodes(self.observations.to(device), self.episode_ends.to(device))
+        return self._moved[device]
+
+
+class EpisodeObservations:
+    """Per-transition observations (``shift`` 0) or next observations (``shift`` 1) of ``FlatEpisodes``,
+    gathered on demand: ``index_select(0, rows)`` gathers those rows only, so a batch source over a dataset holds
+    no per-transition copy of the observations (a step reads only its sampled rows: a memory-mapped dataset stays
+    on disk)."""
+
+    def __init__(self, episodes: FlatEpisodes, shift: int):
+        self.episodes = episodes
         self.shift = shift
-        n_transitions = int(episode_ends[-1]) if len(episode_ends) else 0
-        self.shape = torch.Size((n_transitions, *observations.shape[1:]))
+        self.shape = torch.Size((episodes.n_transitions, *episodes.observations.shape[1:]))
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.observations.dtype
+        return self.episodes.observations.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.observations.device
+        return self.episodes.observations.device
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -288,23 +317,11 @@ class EpisodeObservations:
     def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
         if dim != 0:
             raise ValidationError("dim", f"observations are gathered by row (dim 0), got dim {dim}")
-        episode = torch.searchsorted(self.episode_ends, rows, right=True)
-        return self.observations.index_select(0, rows + episode + self.shift)
+        index = self.episodes.observation_index(rows)
+        return self.episodes.observations.index_select(0, index + self.shift if self.shift else index)
 
     def to(self, device: torch.device | str) -> "EpisodeObservations":
-        return EpisodeObservations(self.observations.to(device), self.episode_ends.to(device), self.shift)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    result = np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths)
-    result += np.arange(total, dtype=np.int64)
-    return result
+        return EpisodeObservations(self.episodes.to(device), self.shift)
 
 
 def _as_typed(field_name: str, value: Any, dtype: type, kinds: str) -> np.ndarray:
@@ -626,11 +643,10 @@ class TrajectoryDataset:
         ``terminated``, ``truncated`` (and ``behavior_log_probs`` when logged) are tensors sharing the stored,
         read-only arrays (never write to them); ``obs`` and ``next_obs`` are ``EpisodeObservations`` that gather
         their rows from the flat observations when indexed. Memory: one int64 per episode."""
-        ends = torch.from_numpy(np.cumsum(self.episode_lengths))
-        observations = shared_tensor(self.observations)
+        episodes = FlatEpisodes(shared_tensor(self.observations), torch.from_numpy(np.cumsum(self.episode_lengths)))
         columns = {
-            "obs": EpisodeObservations(observations, ends, 0),
-            "next_obs": EpisodeObservations(observations, ends, 1),
+            "obs": EpisodeObservations(episodes, 0),
+            "next_obs": EpisodeObservations(episodes, 1),
             "actions": shared_tensor(self.actions),
             "rewards": shared_tensor(self.rewards),
             "terminated": shared_tensor(self.terminations),
@@ -655,8 +671,8 @@ class TrajectoryDataset:
         n, width = len(indices), int(lengths.max()) if len(indices) else 0
         rows = np.arange(n, dtype=np.int64)
         # Slot of every selected transition / observation in the flattened [n * width] / [n * (width + 1)] output.
-        slots = _ranges(rows * width, lengths)
-        sources = _ranges(self._transition_starts[indices], lengths)
+        slots = concat_ranges(rows * width, lengths)
+        sources = concat_ranges(self._transition_starts[indices], lengths)
 
         def scatter(values: np.ndarray) -> torch.Tensor:
             out = np.zeros(n * width, dtype=values.dtype)
@@ -665,10 +681,10 @@ class TrajectoryDataset:
 
         # Rows of a multi-dimensional array: torch's index_copy_ is several times faster than numpy fancy indexing.
         observations = torch.zeros((n * (width + 1), *self.metadata.obs_shape), dtype=torch.float32)
-        obs_sources = _ranges(self._observation_starts[indices], lengths + 1)
+        obs_sources = concat_ranges(self._observation_starts[indices], lengths + 1)
         observations.index_copy_(
             0,
-            torch.from_numpy(_ranges(rows * (width + 1), lengths + 1)),
+            torch.from_numpy(concat_ranges(rows * (width + 1), lengths + 1)),
             torch.from_numpy(np.take(self.observations, obs_sources, axis=0)),
         )
         mask = np.arange(width)[None, :] < lengths[:, None]
@@ -719,8 +735,8 @@ class TrajectoryDataset:
                 f"fragment {j} ends at {int(ends[j])} past episode {int(ids[j])}'s length {int(full_lengths[j])}",
             )
         lengths = ends - starts
-        flat = _ranges(self._transition_starts[ids] + starts, lengths)
-        obs_flat = _ranges(self._observation_starts[ids] + starts, lengths + 1)
+        flat = concat_ranges(self._transition_starts[ids] + starts, lengths)
+        obs_flat = concat_ranges(self._observation_starts[ids] + starts, lengths + 1)
         reaches_end = ends == full_lengths
         new_last = np.cumsum(lengths) - 1
         terminations = self.terminations[flat]

@@ -20,7 +20,7 @@ import torch
 
 from dporl.privacy.events import MixtureEvent, PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent
 from dporl.privacy.units import PrivacyUnit, as_unit, dataset_unit
-from dporl.utils.grouping import stable_group_order
+from dporl.utils.grouping import concat_ranges, stable_group_order
 from dporl.utils.validation import ValidationError, check_probability
 
 
@@ -76,15 +76,6 @@ def _data_to(data: Mapping[str, torch.Tensor], device: torch.device | str) -> di
     return {k: v.to(device) for k, v in data.items()}
 
 
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + n)`` for every (s, n), without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - offsets, lengths, output_size=total) + torch.arange(total)
-
-
 @dataclass(frozen=True)
 class UnitRuns:
     """Which unit owns each row, as runs: the rows, in order, cut into runs of consecutive rows of one unit.
@@ -128,14 +119,23 @@ class UnitRuns:
 
 
 class _UnitIndex:
-    """Rows grouped by unit, built once so per-step sampling is pure tensor indexing.
+    """Rows grouped by unit, built once so per-step sampling is pure array indexing.
 
     Built from runs (``UnitRuns``) by a stable counting sort of the run units (``stable_group_order``), then
     runs of one unit that touch are merged: unit u's rows, in increasing order, occupy the "unit-major" positions
-    ``[offsets[u], offsets[u] + counts[u])``. When every unit's rows are contiguous (data logged unit by unit) a
-    position maps to its row by one addition; otherwise by a binary search over the runs' cumulative lengths.
-    Memory and time are linear in the number of runs; no per-row array is kept.
+    ``[offsets[u], offsets[u] + counts[u])``. A position maps to its row by
+
+    - one addition when every unit's rows are contiguous (data logged unit by unit);
+    - a binary search among the unit's own runs (cumulative lengths; ``ceil(log2(most runs of a unit))``
+      vectorised steps) when runs are long (episodes of interleaved units);
+    - one gather from a per-row order when runs are short (rows of units interleaved row by row: a per-row array
+      is then no larger than the runs).
+
+    Memory and time are linear in the number of runs (in the last case, of rows). The per-step work runs in numpy
+    on a few hundred values (cheaper per call than torch); only the draws come from the torch generator.
     """
+
+    SHORT_RUNS = 4  # mean rows per run below which a per-row order replaces the search
 
     def __init__(self, unit_of_row: "torch.Tensor | UnitRuns", n_units: int, n_rows: int):
         if n_units < 1:
@@ -149,66 +149,84 @@ class _UnitIndex:
             if unit_of_row.shape != (n_rows,):
                 raise ValidationError("unit_of_row", f"expected shape ({n_rows},), got {tuple(unit_of_row.shape)}")
             runs = UnitRuns.of_rows(unit_of_row)
-        units = runs.units.numpy()
+        units = runs.units.cpu().numpy()
         if len(units) and (units.min() < 0 or units.max() >= n_units):
             raise ValidationError("unit_of_row", f"unit ids must lie in [0, {n_units})")
         self.n_units = n_units
         order, _ = stable_group_order(units, n_units)
-        lengths = runs.lengths.numpy()
+        lengths = runs.lengths.cpu().numpy()
         unit, start, length = units[order], (np.cumsum(lengths) - lengths)[order], lengths[order]
         if len(unit):  # merge touching runs of one unit (consecutive episodes of one expert)
             head = np.ones(len(unit), dtype=bool)
             head[1:] = (unit[1:] != unit[:-1]) | (start[1:] != start[:-1] + length[:-1])
             heads = np.flatnonzero(head)
             unit, start, length = unit[heads], start[heads], np.add.reduceat(length, heads)
-        run_end = np.cumsum(length)  # unit-major position just past each run
-        run_offsets = np.zeros(n_units + 1, dtype=np.int64)  # unit u's runs: [run_offsets[u], run_offsets[u + 1])
-        np.cumsum(np.bincount(unit, minlength=n_units), out=run_offsets[1:])
-        ends = np.concatenate([[0], run_end])[run_offsets]
-        self.offsets = torch.from_numpy(ends[:-1].copy())  # unit u's first unit-major position
-        self.counts = torch.from_numpy(np.diff(ends))  # rows of unit u
-        self._run_offsets = torch.from_numpy(run_offsets)
-        self._run_start, self._run_len = torch.from_numpy(start), torch.from_numpy(length)
-        self._run_end = torch.from_numpy(run_end)
-        self._run_base = self._run_start - (self._run_end - self._run_len)  # row = base + unit-major position
-        # Contiguous units: unit u's row = _first_row[u] + its position within the unit (no search).
-        self._contiguous = bool(np.all(np.diff(run_offsets) <= 1))
-        first = np.zeros(n_units, dtype=np.int64)
-        owning = run_offsets[1:] > run_offsets[:-1]
-        first[owning] = start[run_offsets[:-1][owning]]
-        self._first_row = torch.from_numpy(first)
+        self._run_end = np.cumsum(length)  # unit-major position just past each run
+        runs_per_unit = np.bincount(unit, minlength=n_units)
+        self._run_offsets = np.zeros(n_units + 1, dtype=np.int64)  # unit u's runs: [_run_offsets[u], [u + 1])
+        np.cumsum(runs_per_unit, out=self._run_offsets[1:])
+        ends = np.concatenate([[0], self._run_end])[self._run_offsets]
+        self._offsets, self._counts = ends[:-1].copy(), np.diff(ends)
+        self.offsets = torch.from_numpy(self._offsets)  # unit u's first unit-major position
+        self.counts = torch.from_numpy(self._counts)  # rows of unit u
+        self._run_start, self._run_len = start, length
+        most_runs = int(runs_per_unit.max())
+        if most_runs <= 1:  # contiguous units: row = the unit's first row + the position within the unit
+            self.mode = "contiguous"
+            self._first_row = np.zeros(n_units, dtype=np.int64)
+            owning = runs_per_unit > 0
+            self._first_row[owning] = start[self._run_offsets[:-1][owning]]
+        elif n_rows < self.SHORT_RUNS * len(length):
+            self.mode = "order"
+            self._order = concat_ranges(start, length)  # rows in unit-major order
+        else:
+            self.mode = "search"
+            self._search_steps = math.ceil(math.log2(most_runs))
+            self._run_base = start - (self._run_end - length)  # row = base + unit-major position
 
     def rows_of(self, units: torch.Tensor, rows_per_unit: Optional[int], generator: torch.Generator):
-        """(row indices, position of their unit in ``units``) for the given units.
+        """(row indices, position of their unit in ``units``) for the given units (LongTensors).
 
         ``rows_per_unit`` None: every row of each unit, in increasing row order. Otherwise each unit owning rows
         contributes ``rows_per_unit`` rows, each uniform over its rows with replacement: position
         ``floor(U * count)`` for a float64 uniform U on the 2**-53 grid, so each row's probability is within
         2**-53 of ``1 / count``.
         """
-        counts = self.counts.index_select(0, units)
+        units = units.numpy()
+        counts = self._counts[units]
         if rows_per_unit is None:
-            first = self._run_offsets.index_select(0, units)
-            runs = _ranges(first, self._run_offsets.index_select(0, units + 1) - first)
-            rows = _ranges(self._run_start.index_select(0, runs), self._run_len.index_select(0, runs))
-            position = torch.repeat_interleave(torch.arange(len(units)), counts, output_size=len(rows))
-            return rows, position
-        position = torch.nonzero(counts).squeeze(1)
+            first = self._run_offsets[units]
+            runs = concat_ranges(first, self._run_offsets[units + 1] - first)
+            rows = concat_ranges(self._run_start[runs], self._run_len[runs])
+            return torch.from_numpy(rows), torch.from_numpy(np.repeat(np.arange(len(units)), counts))
+        position = np.flatnonzero(counts)
         if rows_per_unit > 1:
-            position = position.repeat_interleave(rows_per_unit)
-        owned = counts.index_select(0, position)
-        owner = units.index_select(0, position)
-        draws = torch.rand(len(position), dtype=torch.float64, generator=generator)
-        return self.rows_at(owner, draws.mul_(owned).long().clamp_max_(owned - 1)), position
+            position = np.repeat(position, rows_per_unit)
+        owned = counts[position]
+        draws = torch.rand(len(position), dtype=torch.float64, generator=generator).numpy()
+        draws *= owned
+        within = np.minimum(draws.astype(np.int64), owned - 1)  # floor (draws >= 0); U * count may round up
+        return torch.from_numpy(self._rows_at(units[position], within)), torch.from_numpy(position)
 
     def rows_at(self, units: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
         """Row index of the ``within[i]``-th row (in increasing row order) of unit ``units[i]``; needs
         ``0 <= within[i] < counts[units[i]]``."""
-        if self._contiguous:
-            return self._first_row.index_select(0, units).add_(within)
-        target = self.offsets.index_select(0, units).add_(within)
-        run = torch.searchsorted(self._run_end, target, right=True)
-        return self._run_base.index_select(0, run).add_(target)
+        return torch.from_numpy(self._rows_at(np.asarray(units, dtype=np.int64), np.asarray(within, dtype=np.int64)))
+
+    def _rows_at(self, units: np.ndarray, within: np.ndarray) -> np.ndarray:
+        if self.mode == "contiguous":
+            return self._first_row[units] + within
+        target = self._offsets[units] + within
+        if self.mode == "order":
+            return self._order[target]
+        # The first of the unit's runs [lo, hi] whose end passes the target (the unit owns it: lo <= hi).
+        lo, hi = self._run_offsets[units], self._run_offsets[units + 1] - 1
+        for _ in range(self._search_steps):
+            mid = (lo + hi) >> 1
+            right = self._run_end[mid] <= target
+            lo = np.where(right, mid + 1, lo)
+            hi = np.where(right, hi, mid)
+        return self._run_base[lo] + target
 
 
 def poisson_subset(n: int, rate: float, generator: torch.Generator, *, chunk: Optional[int] = None) -> torch.Tensor:
@@ -246,15 +264,21 @@ def poisson_subset(n: int, rate: float, generator: torch.Generator, *, chunk: Op
         raise ValidationError("chunk", f"must be >= 1, got {chunk}")
     pieces, next_start = [], 0.0  # next_start: the first index the next gap may land on
     while True:
-        gaps = torch.rand(chunk, dtype=torch.float64, generator=generator)
-        gaps.neg_().log1p_().div_(log_keep).floor_().clamp_(max=float(n))  # clamp: a gap >= n lands past the end
-        positions = torch.cumsum(gaps.add_(1.0), 0).add_(next_start - 1.0)  # exact: integers far below 2**53
-        inside = int(torch.searchsorted(positions, torch.tensor([float(n)], dtype=torch.float64)))
+        # Uniforms from the generator; the arithmetic in numpy (cheaper per call than torch on a few hundred values).
+        gaps = torch.rand(chunk, dtype=torch.float64, generator=generator).numpy()
+        np.log1p(np.negative(gaps, out=gaps), out=gaps)  # log(1 - U), U in [0, 1): finite, <= 0
+        gaps /= log_keep
+        np.floor(gaps, out=gaps)
+        np.minimum(gaps, float(n), out=gaps)  # a gap >= n lands past the end anyway
+        gaps += 1.0
+        positions = np.cumsum(gaps, out=gaps)  # exact: integers far below 2**53
+        positions += next_start - 1.0
+        inside = int(np.searchsorted(positions, float(n)))  # positions are increasing: those < n come first
         pieces.append(positions[:inside])
         if inside < chunk:
             break
         next_start = float(positions[-1]) + 1.0
-    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).long()
+    return torch.from_numpy((pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64))
 
 
 class PoissonUnitSource:

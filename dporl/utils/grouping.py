@@ -1,4 +1,5 @@
-"""Items grouped by a small integer key in linear time: a stable counting sort (CSR ``order`` / ``offsets``).
+"""Items grouped by a small integer key in linear time (a stable counting sort: CSR ``order`` / ``offsets``), and
+the concatenated index ranges that read such groups without a Python loop.
 
 Keys are unit or expert ids in ``[0, n_groups)``. numpy's stable sort of keys of 16 bits or less is a radix sort
 (one counting pass), so keys below 2**16 take one pass and wider keys two least-significant-digit passes of 16 bits
@@ -36,3 +37,15 @@ def stable_group_order(keys: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.
         order = np.argsort((keys & (_DIGIT - 1)).astype(np.uint16), kind="stable")
         order = order[np.argsort((keys[order] >> 16).astype(np.uint16), kind="stable")]
     return order.astype(np.int64, copy=False), offsets
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass (int64)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    result = np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths)
+    result += np.arange(total, dtype=np.int64)
+    return result
