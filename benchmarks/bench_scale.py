@@ -16,6 +16,7 @@ Three measurements, each a ratio taken in one run with the two sides interleaved
 
     python benchmarks/bench_scale.py                       # 1e6 and 1e7 transitions, sampler at 1e5 / 1e6 units
     python benchmarks/bench_scale.py --sizes 1e6 --rounds 1 # quick
+    python benchmarks/bench_scale.py --against /work/main  # also before/after against another checkout
     python benchmarks/bench_scale.py --sizes 1e8 --mapped-only --skip-sampler --dir DIR   # 3.4 GB on disk, mapped
 """
 
@@ -156,12 +157,48 @@ def child(kind: str, path: str, mmap: bool) -> dict:
     return out
 
 
-def run_child(kind: str, path: Path, mmap: bool = False) -> dict:
+def run_child(kind: str, path: Path, mmap: bool = False, tree: str | None = None) -> dict:
+    """``child(kind, path)`` in a fresh interpreter; ``tree``: import dporl from that checkout instead."""
     command = [sys.executable, __file__, "--child", kind, str(path)] + (["--mmap"] if mmap else [])
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if result.returncode:
         raise RuntimeError(f"child {kind} failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def bench_against_tree(path: Path, info: dict, rounds: int, tree: str) -> None:
+    """The same children with dporl imported from ``tree`` (e.g. the main branch) and from this checkout,
+    interleaved: the before/after ratios of one run."""
+    raw = info["raw_bytes"]
+    print(f"\n{info['n_transitions']:.3g} transitions: this checkout ('new') against {tree} ('old'), interleaved")
+    ratios = []
+    for r in range(rounds):
+        bare = run_child("np_load", path)
+        old, new = run_child("train", path, tree=tree), run_child("train", path)
+        old_views, new_views = (run_child("views", path, tree=tree), run_child("views", path)) \
+            if info["n_transitions"] <= 2e7 else (None, None)
+        t0 = bare["seconds"]
+
+        def build(t):
+            return (t["load"] + t["source"]) / t0
+
+        def peak(t):
+            return (t["peak_rss"] - t["baseline_rss"]) / raw
+
+        line = (f"  round {r}: np.load {t0:.3f} s | load + expert source: old {build(old):.2f}x, new {build(new):.2f}x"
+                f" np.load (expert source alone: old {old['source']:.3f} s, new {new['source']:.4f} s) | peak RSS: "
+                f"old {peak(old):.2f}x, new {peak(new):.2f}x raw | step: old {old['sample_ms']:.3f} ms, new "
+                f"{new['sample_ms']:.3f} ms")
+        if old_views:
+            line += (f"\n           transitions(): old {old_views['transitions'] / t0:.2f}x, new "
+                     f"{new_views['transitions'] / t0:.2f}x np.load | expert_episode_index(): old "
+                     f"{old_views['episode_index'] * 1e3:.2f} ms, new {new_views['episode_index'] * 1e3:.2f} ms")
+        print(line, flush=True)
+        ratios.append((build(old), build(new), peak(old), peak(new)))
+    med = np.median(np.array(ratios), axis=0)
+    print(f"  median: load + expert source old {med[0]:.2f}x -> new {med[1]:.2f}x np.load; peak RSS old "
+          f"{med[2]:.2f}x -> new {med[3]:.2f}x raw")
 
 
 def bench_build(path: Path, info: dict, rounds: int, mmap: bool) -> None:
@@ -286,6 +323,8 @@ def main() -> None:
     parser.add_argument("--mapped-only", action="store_true", help="only the mapped path (data larger than RAM)")
     parser.add_argument("--skip-sampler", action="store_true")
     parser.add_argument("--dir", default=None, help="where to write the datasets (default: a temporary directory)")
+    parser.add_argument("--against", default=None, metavar="TREE",
+                        help="also run the build children with dporl from TREE (e.g. /work/main), interleaved")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -302,6 +341,8 @@ def main() -> None:
                 bench_mapped_only(path, info)
             else:
                 bench_build(path, info, args.rounds, args.mmap)
+            if args.against:
+                bench_against_tree(path, info, args.rounds, args.against)
             path.unlink()
     if not args.skip_sampler:
         bench_sampler(args.rounds)
