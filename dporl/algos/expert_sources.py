@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import numpy as np
 import torch
 
 from dporl.data.dataset import TrajectoryDataset
-from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
+from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource, UnitRuns
 from dporl.privacy.units import dataset_unit
 from dporl.utils.validation import ValidationError
 
@@ -29,10 +30,15 @@ Method = Literal["non_private", "dp_sgd", "stable_only", "mixed"]
 CQL_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated")
 
 
-def cql_columns(dataset: TrajectoryDataset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(the columns CQL reads, the expert id of every transition)."""
-    transitions = dataset.transitions().to_torch()
-    return {k: transitions[k] for k in CQL_KEYS}, transitions["expert_ids"]
+def cql_columns(dataset: TrajectoryDataset) -> tuple[dict[str, torch.Tensor], UnitRuns]:
+    """(the columns CQL reads, the unit of every transition as one run per episode).
+
+    The columns share the dataset's arrays (``TrajectoryDataset.transition_columns``: no per-transition copy; the
+    observations are gathered per batch), so building a source is linear in the number of episodes."""
+    columns = dataset.transition_columns()
+    units = UnitRuns(torch.from_numpy(np.array(dataset.episode_lengths, dtype=np.int64)),
+                     torch.from_numpy(np.array(dataset.unit_ids, dtype=np.int64)))
+    return {k: columns[k] for k in CQL_KEYS}, units
 
 
 def expert_source(

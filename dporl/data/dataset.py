@@ -22,6 +22,12 @@ written atomically, holding exactly these members::
     start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
     behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
 
+Every member is a ``.npy`` file stored without compression whose array data starts on a 64-byte boundary of the
+archive (a padding zip extra field, id 0xD935, in the member's local header; the ``.npy`` header pads itself to
+64 bytes; ``write_npz_members``), so ``load(path, mmap=True)`` maps the arrays straight from the file (data larger
+than RAM). Any npz reader reads the file. Archives written by a bare ``np.savez`` load too: what is aligned is
+mapped, the rest read.
+
 Privacy units. ``expert_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
 logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None, the historical meaning). A table
 imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by the user's column: ``unit_column``
@@ -44,7 +50,9 @@ placeholder cannot move any estimate (tested by swapping the placeholder for hug
 Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, boundaries, metadata types) and raises
 ``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
 
-Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``_ranges``).
+Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``concat_ranges``).
+``transition_columns()`` gives batch sources the per-transition columns without copying: tensors sharing the
+stored arrays, and observations gathered per batch from the episode layout (``EpisodeObservations``).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ import hashlib
 import json
 import math
 import os
+import struct
+import warnings
+import zipfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -60,6 +71,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from dporl.utils.grouping import concat_ranges, stable_group_order
 from dporl.utils.io import atomic_write
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
@@ -295,16 +307,78 @@ class PaddedTrajectories:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for every (s, n), in one vectorised pass."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    result = np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths)
-    result += np.arange(total, dtype=np.int64)
-    return result
+def shared_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory, also when the array is read-only (a dataset's stored arrays, a memory
+    map). The tensor must never be written: it exists to be indexed (``index_select``) by batch sources."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+class FlatEpisodes:
+    """A dataset's flat observations with its episode ends: what ``EpisodeObservations`` columns gather from.
+
+    Transition t of episode e has observation ``t + e`` (next observation ``t + e + 1``). The episode of each row
+    is found by a binary search over the episode ends; the last lookup is kept, so the ``obs`` and ``next_obs``
+    columns of one batch (gathered with the same row tensor) search once. ``to(device)`` is memoised, so both
+    columns moved to a device still share one copy of the observations.
+    """
+
+    def __init__(self, observations: torch.Tensor, episode_ends: torch.Tensor):
+        self.observations = observations
+        self.episode_ends = episode_ends  # int64 [n_episodes]: cumulative episode lengths
+        self.n_transitions = int(episode_ends[-1]) if len(episode_ends) else 0
+        self._moved: dict[torch.device, FlatEpisodes] = {}
+        self._last: Optional[tuple[torch.Tensor, int, torch.Tensor]] = None
+
+    def observation_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """Index of each transition's observation in the flat array (``rows`` + its episode index)."""
+        last = self._last
+        if last is not None and last[0] is rows and last[1] == rows._version:
+            return last[2]
+        index = rows + torch.searchsorted(self.episode_ends, rows, right=True)
+        self._last = (rows, rows._version, index)
+        return index
+
+    def to(self, device: torch.device | str) -> "FlatEpisodes":
+        device = torch.device(device)
+        if device == self.observations.device:
+            return self
+        if device not in self._moved:
+            self._moved[device] = FlatEpisodes(self.observations.to(device), self.episode_ends.to(device))
+        return self._moved[device]
+
+
+class EpisodeObservations:
+    """Per-transition observations (``shift`` 0) or next observations (``shift`` 1) of ``FlatEpisodes``,
+    gathered on demand: ``index_select(0, rows)`` gathers those rows only, so a batch source over a dataset holds
+    no per-transition copy of the observations (a step reads only its sampled rows: a memory-mapped dataset stays
+    on disk)."""
+
+    def __init__(self, episodes: FlatEpisodes, shift: int):
+        self.episodes = episodes
+        self.shift = shift
+        self.shape = torch.Size((episodes.n_transitions, *episodes.observations.shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.episodes.observations.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.episodes.observations.device
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValidationError("dim", f"observations are gathered by row (dim 0), got dim {dim}")
+        index = self.episodes.observation_index(rows)
+        return self.episodes.observations.index_select(0, index + self.shift if self.shift else index)
+
+    def to(self, device: torch.device | str) -> "EpisodeObservations":
+        return EpisodeObservations(self.episodes.to(device), self.shift)
 
 
 def _as_typed(field_name: str, value: Any, dtype: type, kinds: str) -> np.ndarray:
@@ -405,14 +479,14 @@ class TrajectoryDataset:
                 f"expected shape {expected_obs} (n_transitions + n_episodes observations of metadata.obs_shape), "
                 f"got {self.observations.shape}",
             )
-        check_finite("observations", self.observations)
-        check_finite("rewards", self.rewards)
+        _check_finite_chunked("observations", self.observations)
+        _check_finite_chunked("rewards", self.rewards)
         check_int_range("actions", self.actions, 0, meta.n_actions)
         check_int_range("expert_ids", self.expert_ids, 0, meta.n_experts)
         if n_episodes and self.start_steps.min() < 0:
             raise ValidationError("start_steps", f"must be >= 0, found {int(self.start_steps.min())}")
         if self.behavior_log_probs is not None:
-            check_finite("behavior_log_probs", self.behavior_log_probs)
+            _check_finite_chunked("behavior_log_probs", self.behavior_log_probs)
             if n_transitions and self.behavior_log_probs.max() > 0:
                 raise ValidationError(
                     "behavior_log_probs",
@@ -422,15 +496,13 @@ class TrajectoryDataset:
 
     def _validate_boundaries(self, n_transitions: int) -> None:
         last = np.cumsum(self.episode_lengths) - 1
-        is_last = np.zeros(n_transitions, dtype=bool)
-        is_last[last] = True
         for name in ("terminations", "truncations"):
-            inside = np.flatnonzero(getattr(self, name) & ~is_last)
+            flagged = np.flatnonzero(getattr(self, name))  # at most one per episode when valid: no [N] temporary
+            inside = flagged[last[np.searchsorted(last, flagged)] != flagged]  # the episode's end is not the flag
             if len(inside):
-                episode = int(np.searchsorted(last, inside[0]))
                 raise ValidationError(
-                    name, f"transition {int(inside[0])} (inside episode {episode}) is flagged but is not the "
-                    "episode's last step; only an episode's last step may end it"
+                    name, f"transition {int(inside[0])} (inside episode {int(np.searchsorted(last, inside[0]))}) is "
+                    "flagged but is not the episode's last step; only an episode's last step may end it"
                 )
         open_ended = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
         if len(open_ended):
@@ -599,33 +671,52 @@ class TrajectoryDataset:
 
     # ------------------------------------------------------------------ views
     def transitions(self) -> Transitions:
-        # In-place index arithmetic: fresh large allocations (page faults) cost more than the gathers themselves.
+        """Every transition as fresh, writable arrays (a copy of the data: batch sources use the zero-copy
+        ``transition_columns`` instead). Linear in the data; the index arithmetic reuses one buffer, since fresh
+        large allocations (page faults) cost more than the gathers themselves."""
         episode_ids = np.repeat(np.arange(self.n_episodes, dtype=np.int64), self.episode_lengths)
-        obs_index = np.arange(self.n_transitions, dtype=np.int64)
-        obs_index += episode_ids  # episode e's transitions start e observations later (one extra obs per episode)
-        obs = np.take(self.observations, obs_index, axis=0)  # row gathers: much faster than fancy indexing
-        obs_index += 1
+        index = np.arange(self.n_transitions, dtype=np.int64)
+        index += episode_ids  # episode e's transitions start e observations later (one extra obs per episode)
+        obs = np.take(self.observations, index, axis=0)  # row gathers: much faster than fancy indexing
+        index += 1
+        next_obs = np.take(self.observations, index, axis=0)
+        # The same buffer becomes the time index: (t + e + 1) - (first observation of e + 1) + start step of e.
+        index -= np.repeat(self._observation_starts + 1 - self.start_steps, self.episode_lengths)
         return Transitions(
             obs=obs,
             actions=self.actions.copy(),
             rewards=self.rewards.copy(),
-            next_obs=np.take(self.observations, obs_index, axis=0),
+            next_obs=next_obs,
             terminated=self.terminations.copy(),
             truncated=self.truncations.copy(),
-            expert_ids=self.expert_ids[episode_ids],
+            expert_ids=np.repeat(self.expert_ids, self.episode_lengths),
             episode_ids=episode_ids,
-            timesteps=_ranges(self.start_steps, self.episode_lengths),
+            timesteps=index,
             behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs.copy(),
         )
+
+    def transition_columns(self) -> dict[str, Any]:
+        """Per-transition columns for batch sources, without copying the data: ``actions``, ``rewards``,
+        ``terminated``, ``truncated`` (and ``behavior_log_probs`` when logged) are tensors sharing the stored,
+        read-only arrays (never write to them); ``obs`` and ``next_obs`` are ``EpisodeObservations`` that gather
+        their rows from the flat observations when indexed. Memory: one int64 per episode."""
+        episodes = FlatEpisodes(shared_tensor(self.observations), torch.from_numpy(np.cumsum(self.episode_lengths)))
+        columns = {
+            "obs": EpisodeObservations(episodes, 0),
+            "next_obs": EpisodeObservations(episodes, 1),
+            "actions": shared_tensor(self.actions),
+            "rewards": shared_tensor(self.rewards),
+            "terminated": shared_tensor(self.terminations),
+            "truncated": shared_tensor(self.truncations),
+        }
+        if self.behavior_log_probs is not None:
+            columns["behavior_log_probs"] = shared_tensor(self.behavior_log_probs)
+        return columns
 
     def expert_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Episodes grouped by expert (CSR): expert i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
         dataset order."""
-        order = np.argsort(self.expert_ids, kind="stable").astype(np.int64)
-        counts = np.bincount(self.expert_ids, minlength=self.metadata.n_experts)
-        offsets = np.zeros(self.metadata.n_experts + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        return order, offsets
+        return stable_group_order(self.expert_ids, self.metadata.n_experts)  # a counting sort: linear
 
     def padded(self, episode_indices: Any = None) -> PaddedTrajectories:
         """The selected episodes (default: all, in order) padded to the longest selected one."""
@@ -637,8 +728,8 @@ class TrajectoryDataset:
         n, width = len(indices), int(lengths.max()) if len(indices) else 0
         rows = np.arange(n, dtype=np.int64)
         # Slot of every selected transition / observation in the flattened [n * width] / [n * (width + 1)] output.
-        slots = _ranges(rows * width, lengths)
-        sources = _ranges(self._transition_starts[indices], lengths)
+        slots = concat_ranges(rows * width, lengths)
+        sources = concat_ranges(self._transition_starts[indices], lengths)
 
         def scatter(values: np.ndarray) -> torch.Tensor:
             out = np.zeros(n * width, dtype=values.dtype)
@@ -647,10 +738,10 @@ class TrajectoryDataset:
 
         # Rows of a multi-dimensional array: torch's index_copy_ is several times faster than numpy fancy indexing.
         observations = torch.zeros((n * (width + 1), *self.metadata.obs_shape), dtype=torch.float32)
-        obs_sources = _ranges(self._observation_starts[indices], lengths + 1)
+        obs_sources = concat_ranges(self._observation_starts[indices], lengths + 1)
         observations.index_copy_(
             0,
-            torch.from_numpy(_ranges(rows * (width + 1), lengths + 1)),
+            torch.from_numpy(concat_ranges(rows * (width + 1), lengths + 1)),
             torch.from_numpy(np.take(self.observations, obs_sources, axis=0)),
         )
         mask = np.arange(width)[None, :] < lengths[:, None]
@@ -701,8 +792,8 @@ class TrajectoryDataset:
                 f"fragment {j} ends at {int(ends[j])} past episode {int(ids[j])}'s length {int(full_lengths[j])}",
             )
         lengths = ends - starts
-        flat = _ranges(self._transition_starts[ids] + starts, lengths)
-        obs_flat = _ranges(self._observation_starts[ids] + starts, lengths + 1)
+        flat = concat_ranges(self._transition_starts[ids] + starts, lengths)
+        obs_flat = concat_ranges(self._observation_starts[ids] + starts, lengths + 1)
         reaches_end = ends == full_lengths
         new_last = np.cumsum(lengths) - 1
         terminations = self.terminations[flat]
@@ -819,6 +910,9 @@ class TrajectoryDataset:
     def fingerprint(self) -> str:
         """sha256 of the content (metadata JSON and every array's dtype, shape and bytes), independent of the file
         it came from: what run directories record as the provenance of their input data."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None:  # the arrays are read-only views: the content cannot have changed
+            return cached
         digest = hashlib.sha256(json.dumps(self.metadata.to_dict(), sort_keys=True).encode())
         for name in _ARRAY_DTYPES:
             array = getattr(self, name)
@@ -827,8 +921,12 @@ class TrajectoryDataset:
                 digest.update(b"absent")
                 continue
             digest.update(f"{array.dtype.str}{array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).tobytes())
-        return digest.hexdigest()
+            flat = np.ascontiguousarray(array).reshape(-1)  # a view for stored arrays: hashed in place, in chunks
+            step = max(1, _CHUNK_BYTES // max(flat.itemsize, 1))
+            for start in range(0, len(flat), step):
+                digest.update(memoryview(flat[start : start + step]).cast("B"))
+        self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike) -> Path:
@@ -843,15 +941,22 @@ class TrajectoryDataset:
         }
 
         def write(tmp: Path) -> None:
-            with open(tmp, "wb") as handle:  # a file handle: np.savez must not append its own ".npz"
-                np.savez(handle, **payload)
+            with open(tmp, "wb") as handle:
+                write_npz_members(handle, payload)
 
         return atomic_write(path, write, suffix=".npz")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TrajectoryDataset":
-        """Read and fully validate a dataset written by ``save``."""
-        contents = _read_archive(Path(path))
+    def load(cls, path: str | os.PathLike, *, mmap: bool = False) -> "TrajectoryDataset":
+        """Read and fully validate a dataset written by ``save``.
+
+        ``mmap=True`` maps the arrays from the file instead of reading them (data larger than RAM): pages are read
+        when touched and belong to the page cache, and the batch sources gather only their sampled rows.
+        Validation still reads every value once, in chunks. Members that cannot be mapped (compressed, or not
+        aligned to their dtype: files written by a bare ``np.savez``) are read as usual. The file must not change
+        while the dataset is in use: the arrays are its pages.
+        """
+        contents = _map_archive(Path(path)) if mmap else _read_archive(Path(path))
         version = contents.pop("format_version")
         if version.shape != () or version.dtype.kind not in "iu":
             raise ValidationError("format_version", f"expected an integer scalar, got {version.dtype} {version.shape}")
@@ -873,8 +978,108 @@ class TrajectoryDataset:
         return cls(metadata=metadata, **contents)
 
 
-def _read_archive(path: Path) -> dict[str, np.ndarray]:
-    """Every member of the archive as an array; any failure to read the container is a ValidationError."""
+_CHUNK_BYTES = 1 << 24  # validation and hashing walk large arrays in pieces this size: no full-size temporaries
+
+
+def _check_finite_chunked(field_name: str, array: np.ndarray) -> None:
+    """``check_finite`` over row chunks, so a large (or memory-mapped) array needs no full-size boolean mask."""
+    flat = array.reshape(-1)
+    step = max(1, _CHUNK_BYTES // max(flat.itemsize, 1))
+    bad = 0
+    for start in range(0, len(flat), step):
+        chunk = flat[start : start + step]
+        bad += len(chunk) - int(np.count_nonzero(np.isfinite(chunk)))
+    if bad:
+        raise ValidationError(field_name, f"contains {bad} non-finite value(s) (NaN or inf)")
+
+
+_ALIGN = 64  # array data in a saved archive start on 64-byte boundaries of the file (the npy header is padded too)
+_PAD_FIELD = 0xD935  # zip extra-field id of a field that only pads (the id Android's zipalign uses)
+
+
+def write_npz_members(handle: Any, members: Mapping[str, np.ndarray]) -> None:
+    """Write ``members`` as an uncompressed ``.npz`` to the seekable binary ``handle``, each array's data aligned.
+
+    The file is an ordinary npz (``np.load`` reads it; members are ``.npy`` files stored without compression, no
+    pickles). Each member's local zip header carries a padding extra field sized so that the member starts on a
+    64-byte boundary; the ``.npy`` header pads itself to 64 bytes, so every array's data starts on a 64-byte
+    boundary of the file and ``TrajectoryDataset.load(path, mmap=True)`` can map it. Arrays are written in chunks
+    (a memory-mapped input is never loaded whole).
+    """
+    with zipfile.ZipFile(handle, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in members.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_STORED
+            # local header: 30 fixed bytes, the name, our field (4 + pad bytes), the zip64 field (20 bytes, forced)
+            header = 30 + len(info.filename.encode("ascii")) + 4 + 20
+            pad = -(handle.tell() + header) % _ALIGN
+            info.extra = struct.pack("<HH", _PAD_FIELD, pad) + bytes(pad)
+            with archive.open(info, mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def _map_member(path: Path, handle: Any, info: zipfile.ZipInfo) -> Optional[np.ndarray]:
+    """Member ``info`` of the archive at ``path`` as a read-only memory map, or None when it cannot be mapped
+    (compressed, not a version 1/2 ``.npy``, or data not aligned to its dtype). Sizes are checked against the
+    member before anything is mapped; an object dtype is refused (no pickles)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    handle.seek(info.header_offset)
+    local = handle.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise ValidationError(info.filename[:-4], f"member of {path} has a corrupt zip header")
+    name_length, extra_length = struct.unpack("<HH", local[26:30])
+    start = info.header_offset + 30 + name_length + extra_length
+    handle.seek(start)
+    version = np.lib.format.read_magic(handle)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+    else:
+        return None
+    if dtype.hasobject:
+        raise ValidationError(info.filename[:-4], f"member of {path} holds Python objects (pickles are refused)")
+    offset = handle.tell()
+    size = math.prod(shape) * dtype.itemsize
+    if offset + size > start + info.file_size:
+        raise ValidationError(info.filename[:-4], f"member of {path} is truncated: {shape} {dtype} needs {size} "
+                              f"bytes, the member holds {start + info.file_size - offset}")
+    if offset % dtype.alignment or size == 0 or not shape:
+        return None
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+
+
+def _map_archive(path: Path) -> dict[str, np.ndarray]:
+    """Like ``_read_archive`` with the arrays memory-mapped where possible (see ``TrajectoryDataset.load``)."""
+    if not path.is_file():
+        raise ValidationError("path", f"no dataset file at {path}")
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # not a zip: the reading path names the problem
+        return _read_archive(path)
+    with archive, open(path, "rb") as handle:
+        members = {info.filename[:-4]: info for info in archive.infolist() if info.filename.endswith(".npy")}
+        mapped: dict[str, np.ndarray] = {}
+        for key, info in members.items():
+            if key not in _ARRAY_DTYPES:
+                continue  # the reading path below names unexpected members and reads the small ones
+            try:
+                array = _map_member(path, handle, info)
+            except ValidationError:
+                raise
+            except Exception as exc:  # a bad npy header: the member is corrupt
+                raise ValidationError(
+                    key, f"member of {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+                ) from exc
+            if array is not None:
+                mapped[key] = array
+    return _read_archive(path, skip=frozenset(mapped)) | mapped
+
+
+def _read_archive(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Every member of the archive (except those in ``skip``, mapped by the caller) as an array; any failure to
+    read the container is a ValidationError."""
     if not path.is_file():
         raise ValidationError("path", f"no dataset file at {path}")
     arrays: dict[str, np.ndarray] = {}
@@ -892,7 +1097,7 @@ def _read_archive(path: Path) -> dict[str, np.ndarray]:
         missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
         if missing:
             raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
-        for key in sorted(keys):
+        for key in sorted(keys - skip):
             try:
                 arrays[key] = archive[key]
             except Exception as exc:  # CRC, EOF, bad npy header, allocation: the member is corrupt

@@ -218,7 +218,7 @@ def load_data(
         expert_path = config.expert_set or expert_path
     else:
         dataset_path, expert_path = config.npz_path, config.expert_set
-    dataset = TrajectoryDataset.load(dataset_path)
+    dataset = TrajectoryDataset.load(dataset_path, mmap=config.mmap)
     if not need_experts:
         return dataset, None
     if expert_path is None:

@@ -2,7 +2,8 @@
 
 - ``format: npz`` (the default): a saved ``TrajectoryDataset`` (``path``, or ``dataset`` as older configs say it),
   with the expert set that logged it (``expert_set``, default: the path its metadata records); or ``generate``: a
-  "dataset" pipeline config run first (its out_dir defaults to ``RUN/curator/data``).
+  "dataset" pipeline config run first (its out_dir defaults to ``RUN/curator/data``). ``mmap: true`` maps the
+  file's arrays instead of reading them (data larger than RAM).
 - ``format: table``: a CSV / Parquet file (``path``) read by ``dporl.data.table.read_table`` with the column mapping
   ``columns`` (``read_table(path, **columns)``: episode, unit, observations, action, reward, the declared action set
   ``actions`` and the optional columns). A table config without ``columns.actions`` is refused by name before
@@ -105,8 +106,15 @@ class DataConfig:
     example: Optional[ExampleTable] = None  # format table: generate this example instead of reading path
     unit: Optional[str] = None  # format minari: the episode info key holding each episode's unit id
     minari_root: Optional[str] = None  # format minari: the datasets directory (default: Minari's)
+    # format npz: map the saved file's arrays instead of reading them (data larger than RAM; see
+    # TrajectoryDataset.load). The file must not change while the run uses it.
+    mmap: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mmap, bool):
+            raise ValidationError("data.mmap", f"expected true or false, got {self.mmap!r}")
+        if self.mmap and self.format != "npz":
+            raise ValidationError("data.mmap", f"does not apply to data.format {self.format!r} (npz files only)")
         given = {name: getattr(self, name) is not None
                  for name in ("path", "dataset", "expert_set", "generate", "columns", "example", "unit", "minari_root")}
         allowed = {
