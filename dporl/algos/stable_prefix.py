@@ -71,6 +71,10 @@ FRESH_ANALYSIS = (
     "sparse-vector stable-prefix release of fresh rollouts in the public simulator, (2 eps', beta) per run "
     "(Sharma et al. 2024, Lemma 5.1 and Algorithms 1-2; spec threshold G = G0 / p_min + t_beta)"
 )
+REPLACE_ONE_ANALYSIS = (
+    "; for replace-one neighbours by group privacy over one removal and one addition: (4 eps', (1 + e^{2 eps'}) "
+    "beta) per run"
+)
 LOGGED_NO_GUARANTEE = (
     "the paper's mechanism: NO guarantee (release.source = logged publishes LOGGED prefixes; Lemma 5.1 covers fresh "
     "rollouts only, and on fixed data a logged prefix can carry states only its expert produced: the fixed-data "
@@ -308,8 +312,9 @@ def account(plan: ReleasePlan, ledger: "PrivacyLedger") -> None:
         )
         return
     if RELEASE_STAGE not in ledger.stages:
-        ledger.stage(RELEASE_STAGE, budget=(plan.epsilon, plan.delta), mechanism="pld",
-                     unit=EXPERT, analysis=FRESH_ANALYSIS)
+        replace_one = ledger.relation == Relation.REPLACE_ONE
+        ledger.stage(RELEASE_STAGE, budget=(plan.epsilon, plan.delta), mechanism="pld", unit=EXPERT,
+                     analysis=FRESH_ANALYSIS + (REPLACE_ONE_ANALYSIS if replace_one else ""))
     ledger.record(RELEASE_STAGE, budget.event, plan.trajectories)
 
 

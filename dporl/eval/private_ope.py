@@ -66,7 +66,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.partition import UnitPartition, fold_partition
 from dporl.privacy.randomness import SecretRoot
-from dporl.privacy.relations import ADD_REMOVE, analysed_for
+from dporl.privacy.relations import ADD_REMOVE, CONVERSION, analysed_for
 from dporl.privacy.samplers import PoissonUnitSource
 from dporl.privacy.units import dataset_unit
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
@@ -130,6 +130,8 @@ def _open_stage(ledger: PrivacyLedger, stage: str, budget: tuple[float, float], 
                 cells: Optional[Sequence[str]], mechanism: str = "pld", analysis: Optional[str] = None) -> None:
     if stage in ledger.stages:
         raise ValidationError("stage", f"stage {stage!r} already exists: every release needs its own stage")
+    if ledger.relation != ADD_REMOVE:
+        analysis = CONVERSION if analysis is None else f"{analysis}; {CONVERSION}"
     ledger.stage(stage, budget=budget, mechanism=mechanism, unit=dataset_unit(dataset), cells=cells,
                  analysis=analysis)
 

@@ -92,7 +92,7 @@ from dporl.privacy.accountants import paper_mixture_epsilon
 from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, Units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
-from dporl.privacy.relations import analysed_for
+from dporl.privacy.relations import CONVERSION, analysed_for
 from dporl.privacy.units import Relation
 from dporl.privacy.samplers import MixtureSource
 from dporl.privacy.units import dataset_unit
@@ -551,7 +551,7 @@ def _after_count(config: ExpertCQLConfig, budgets, checked: Checked, units: Unit
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
     delta < 1/n, the release's precondition, the batch size, and the training noise (None without training)."""
     check_delta(config.delta, units)
-    if checked.release is not None and checked.release.source == "fresh":
+    if checked.release is not None:
         check_precondition(checked.release, units)
     if TRAIN_STAGE not in budgets:
         return None
@@ -618,7 +618,8 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
         # Opened here for its cells (the Trainer opens the same stage otherwise and checks it matches).
         ledger.stage(TRAIN_STAGE, budget=budgets[TRAIN_STAGE], mechanism=dp.accountant,
                      unit=dataset_unit(dataset), cells=None if plan is None else plan.train_cells,
-                     shares_run_budget=dp.share_run_budget)
+                     shares_run_budget=dp.share_run_budget,
+                     analysis=None if config.relation == "add_remove" else CONVERSION)
     source = training_source(
         config.method, train_data, stable, batch_size=config.batch_size, units=units, cell=checked.train_cell,
         rows_per_expert=config.dp.rows_per_expert, p_dp=config.dp.p_dp,
