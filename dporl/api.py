@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -42,16 +42,21 @@ from dporl.utils.validation import ValidationError, check_positive
 class DiscreteCQLConfig:
     """Unit-level private discrete CQL (Kumar et al. 2020; DP-SGD per unit as in Sharma et al. 2024, Algorithm 4).
 
-    Privacy: ``epsilon`` / ``delta`` bound the whole run (training and evaluation) for one unit of the dataset
-    (add/remove all its rows). ``batch_size`` is the expected number of units per DP-SGD step (Poisson rate
-    batch_size / units; the number of units is treated as public), ``rows_per_unit`` the transitions each sampled
-    unit contributes to its one clipped gradient. ``steps`` caps training; the noise is calibrated so that those
+    Privacy: ``epsilon`` / ``delta`` bound the whole run (training and evaluation) for one unit of the dataset.
+    ``relation="add_remove"`` (the default): neighbours add or remove one unit with all its rows, so the number of
+    units is private; the run first releases a noisy count of them with ``count_fraction`` of epsilon and derives
+    the sampling rate (batch_size / the released count), the noise and the evaluation's normalisers from it.
+    ``relation="replace_one"``: neighbours replace one unit's rows (the number of units is public), and every
+    mechanism is analysed for that relation. ``batch_size`` is the expected number of units per DP-SGD step (DP-SGD
+    divides by it), ``rows_per_unit`` the transitions each sampled unit contributes to its one clipped gradient. ``steps`` caps training; the noise is calibrated so that those
     steps fit the budget (``noise_multiplier`` fixes it instead; then training stops at the budget).
     """
 
     epsilon: float = 1.0
     delta: float = 1e-5
     private: bool = True  # False: non-private CQL (NO guarantee; the baseline)
+    relation: Literal["add_remove", "replace_one"] = "add_remove"
+    count_fraction: float = 0.01  # add_remove: the private count's share of epsilon
     batch_size: float = 64
     rows_per_unit: int = 4
     steps: int = 500
@@ -84,6 +89,8 @@ class DiscreteCQLConfig:
             epsilon=self.epsilon,
             delta=self.delta,
             batch_size=self.batch_size,
+            relation=self.relation,
+            count_fraction=self.count_fraction,
             noise_seed=self.noise_seed,
             data=data or DataConfig(format="memory"),
             dp=PrivateTrainingConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,

@@ -45,6 +45,8 @@ def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
         "epsilon": 10.0,
         "delta": 1e-5,
         "batch_size": 16,
+        # The count's lower bound is m~ - O(log(1/delta) / eps_count): 600 experts need a larger share than 1%
+        "count_fraction": 0.05,
         "noise_seed": 1,
         "data": {"dataset": str(logged / "data.npz"), "expert_set": str(logged / "experts.pt")},
         "release": {"trajectories": 5},
@@ -77,18 +79,28 @@ def test_mixed_runs_end_to_end_with_sound_mixture_accounting(logged, tmp_path, c
     cfg = config(logged, tmp_path)
     summary = run(cfg)
     stages = {s["name"]: s for s in summary["privacy"]["stages"]}
-    # Budget split of the paper: eps1 = eps2 = 5, delta1 = delta2 = delta / 2.
-    assert stages["release"]["budget"] == [5.0, 5e-6] and stages[TRAIN_STAGE]["budget"] == [5.0, 5e-6]
+    # The count first (5% of eps; delta: its lower bound's charged failure, 2 x 0.005 delta), then the paper's split
+    # of the rest: eps1 = eps2, delta1 = delta2.
+    assert list(stages) == ["unit_count", "release", TRAIN_STAGE]
+    assert stages["unit_count"]["budget"] == [0.5, pytest.approx(1e-7)]
+    rest = (1e-5 - 1e-7) / 2
+    assert stages["release"]["budget"] == [4.75, pytest.approx(rest)]
+    assert stages[TRAIN_STAGE]["budget"] == [4.75, pytest.approx(rest)]
+    count = stages["unit_count"]["released"]
+    assert count == summary["unit_count"] and count["cells"] is None and count["epsilon"] == 0.5
+    m_tilde = count["count"]
+    assert abs(m_tilde - M) < 60  # P[|Z| >= 60] = 2 e^{-30} / (1 + e^{-0.5}) at eps 0.5
     (release_event, release_count), = stages["release"]["events"]
     assert release_count == 5 and release_event["type"] == "ApproxDPEvent"
     assert release_event["epsilon"] == pytest.approx(2 * summary["release"]["epsilon_prime"])
-    # One mixture event per training step (p_dp = 0.5 around a rate-B/m Poisson Gaussian), whatever branch ran.
+    # One mixture event per training step (p_dp = 0.5 around a rate-B/m~ Poisson Gaussian), whatever branch ran.
     (train_event, train_count), = stages[TRAIN_STAGE]["events"]
     assert train_count == summary["steps"] == 30
-    assert train_event == {"type": "MixtureEvent", "probability": 0.5,
-                           "event": {"type": "PoissonGaussianEvent", "noise_multiplier": 1.0, "sample_rate": 16 / M}}
+    assert train_event == {"type": "MixtureEvent", "probability": 0.5, "event": {
+        "type": "PoissonGaussianEvent", "noise_multiplier": 1.0, "sample_rate": 16 / m_tilde}}
     guarantee = summary["privacy"]["guarantee"]
-    assert guarantee["unit"] == "expert" and guarantee["epsilon"] <= 10.0 + 1e-9 and guarantee["delta"] == 1e-5
+    assert guarantee["unit"] == "expert" and guarantee["epsilon"] <= 10.0 + 1e-9
+    assert guarantee["delta"] == pytest.approx(1e-5, rel=1e-12)
     # The paper's figure (rate p_dp * q, no mixture) is a paper claim, smaller than the sound training-stage epsilon.
     (claim,) = summary["privacy"]["paper_figures_NOT_guarantees"]
     assert claim["name"].startswith("Algorithm 3") and claim["epsilon"] < stages[TRAIN_STAGE]["epsilon"]
@@ -116,8 +128,9 @@ def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
     cfg = config(logged, tmp_path, method="dp_sgd", epsilon=2.0, **{"dp.noise_multiplier": 1.0,
                                                                       "trainer.max_steps": 1_000_000})
     summary = run(cfg)
-    (stage,) = summary["privacy"]["stages"]
-    assert stage["name"] == TRAIN_STAGE and stage["budget"] == [2.0, 1e-5]
+    count, stage = summary["privacy"]["stages"]
+    assert count["name"] == "unit_count" and count["budget"] == [0.1, 0.0]  # no lower bound relied on: pure
+    assert stage["name"] == TRAIN_STAGE and stage["budget"] == [1.9, 1e-5]
     assert 0 < summary["steps"] < 1_000 and stage["epsilon"] <= 2.0
     # Single stage, unchanged: the largest step count, so within one step of the budget (epsilon grows about like
     # sqrt(steps) here: one step of ~56 moves it by ~1 / 112 < 1%).
@@ -125,9 +138,17 @@ def test_dp_sgd_trains_until_the_budget_is_spent(logged, tmp_path):
     assert summary["release"] is None
 
 
-def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, capsys):
-    """Algorithm 3's training stage takes what the release leaves under the joint PLD of both stages: the printed
-    guarantee meets the run budget (within 1%, never above), with less noise than the fixed eps - eps1 split."""
+def count_noise(monkeypatch, z: int) -> None:
+    """Every count's discrete Laplace draw is ``z`` (the released estimate injected where the mechanism draws it)."""
+    import dporl.privacy.count as count_module
+
+    monkeypatch.setattr(count_module, "sample_discrete_laplace", lambda scale, rng: z)
+
+
+def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, capsys, monkeypatch):
+    """Algorithm 3's training stage takes what the count and the release leave under the joint PLD of every stage:
+    the printed guarantee meets the run budget (within 1%, never above), with less noise than a fixed split."""
+    count_noise(monkeypatch, 0)  # m~ = m: the config audit below plans at the true m, as for a run that drew 0
     cfg = config(logged, tmp_path, epsilon=2.0, **{"dp.noise_multiplier": None})
     summary = run(cfg)
     guarantee = summary["privacy"]["guarantee"]
@@ -136,9 +157,12 @@ def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, 
     assert "joint PLD" in guarantee["analysis"] and summary["steps"] == 30
     stages = {s["name"]: s for s in summary["privacy"]["stages"]}
     assert stages[TRAIN_STAGE]["shares_run_budget"] and not stages["release"]["shares_run_budget"]
-    assert stages[TRAIN_STAGE]["budget"] == [1.0, 5e-6]  # the nominal share, past which the stage may spend
+    nominal = stages[TRAIN_STAGE]["budget"]  # the nominal share, past which the stage may spend
+    assert nominal == [0.95, pytest.approx((1e-5 - 1e-7) / 2)]
+    assert summary["unit_count"]["count"] == M
+    rate = 16 / M
     fixed = calibrate_noise_multiplier(
-        1.0, 5e-6, 30, make_event=lambda sigma: MixtureEvent(0.5, PoissonGaussianEvent(sigma, 16 / M)))
+        nominal[0], nominal[1], 30, make_event=lambda sigma: MixtureEvent(0.5, PoissonGaussianEvent(sigma, rate)))
     assert summary["noise_multiplier"] < 0.9 * fixed
     assert f"GUARANTEE: ({guarantee['epsilon']:.4g}, 1e-05)-DP" in capsys.readouterr().out
 
@@ -155,20 +179,31 @@ def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, 
         assert audit.settings["noise_multiplier"] == pytest.approx(summary["noise_multiplier"], rel=1e-12)
 
 
-def test_a_release_that_leaves_no_training_step_is_refused_before_anything_is_written(logged, tmp_path):
-    # f = 0.99: the release's T = 5 runs compose to ~9.9 of 10 even at the total delta (few (eps, delta) pairs
-    # compose almost additively), and one sigma = 1 step at rate 16 / 600 costs more than the 0.1 left.
+def test_a_release_that_leaves_no_training_step_is_refused_before_the_release(logged, tmp_path):
+    # f = 0.99: the release's T = 5 runs compose to ~9.4 of the 9.5 the count leaves even at the total delta (few
+    # (eps, delta) pairs compose almost additively), and one sigma = 1 step at rate 16 / m costs more than the rest.
+    # Replace-one: m is public, so the refusal comes before anything is written.
     with pytest.raises(PrivacyBudgetError) as info:
-        run(config(logged, tmp_path, release_fraction=0.99))
+        run(config(logged, tmp_path / "r1", release_fraction=0.99, relation="replace_one"))
     assert info.value.field == "dp.epsilon" and "beside the run's other stages" in str(info.value)
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "r1" / "run").exists()
+    # Add/remove: the rate depends on the released count, so the refusal follows the count (its only spend) and
+    # comes before the release.
+    with pytest.raises(PrivacyBudgetError) as info:
+        run(config(logged, tmp_path / "ar", release_fraction=0.99))
+    assert info.value.field == "dp.epsilon" and "beside the run's other stages" in str(info.value)
+    journal = json.loads((tmp_path / "ar" / "run" / "curator" / "journal.json").read_text())
+    assert [s["name"] for s in journal["ledger"]["stages"]] == ["unit_count"]
+    assert list(journal["completed"]) == ["unit_count"]
+    assert not (tmp_path / "ar" / "run" / "release" / "d_stable.npz").exists()
 
 
 def test_stable_only_and_non_private(logged, tmp_path):
     stable = run(config(logged, tmp_path / "s", method="stable_only"))
-    (stage,) = stable["privacy"]["stages"]
-    assert stage["name"] == "release" and stage["budget"] == [10.0, 1e-5]
-    # The release alone has the whole budget; its per-run eps' is the largest that fits (to a relative 1e-4).
+    count, stage = stable["privacy"]["stages"]
+    assert count["name"] == "unit_count" and count["budget"] == [0.5, pytest.approx(1e-7)]
+    assert stage["name"] == "release" and stage["budget"] == [9.5, pytest.approx(1e-5 - 1e-7)]
+    # The release has what the count leaves; its per-run eps' is the largest that fits (to a relative 1e-4).
     assert 0.99 * 10.0 <= stable["privacy"]["guarantee"]["epsilon"] <= 10.0 * (1 + 1e-12)
     assert stable["stable_transitions"] > 0
     plain = run(config(logged, tmp_path / "n", method="non_private"))
@@ -267,14 +302,15 @@ def test_registered_and_refusals(logged, tmp_path):
     with pytest.raises(ValidationError) as info:
         config(logged, tmp_path, data={"dataset": None})
     assert info.value.field == "data"
-    with pytest.raises(ValidationError) as info:
-        run(config(logged, tmp_path, batch_size=M + 1, method="dp_sgd"))
-    assert info.value.field == "batch_size"
+    with pytest.raises(ValidationError) as info:  # refused on the released estimate, which it names
+        run(config(logged, tmp_path / "b", batch_size=M + 100, method="dp_sgd"))
+    assert info.value.field == "batch_size" and "the released estimate of the number of units" in str(info.value)
+    assert str(M) not in str(info.value).replace("m~ = ", "")  # (m~ itself is within 60 of M, not equal to it)
     with pytest.raises(ValidationError) as info:
         config(logged, tmp_path, **{"dp.p_dp": 0.0})
     assert info.value.field == "dp.p_dp"
     with pytest.raises(PrivacyBudgetError) as info:  # m p_min = 60 < G0 at eps1 = 0.005 over 5 runs
-        run(config(logged, tmp_path, epsilon=0.01))
+        run(config(logged, tmp_path / "p", epsilon=0.01))
     assert info.value.field in ("p_min", "release.epsilon")
 
 

@@ -186,17 +186,21 @@ def test_dp_fqe_folds_compose_in_parallel(tmp_path):
     result = dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(4),
                     run_dir=tmp_path, unit_clip=12.0, folds=3, training=TRAINING)
     report = ledger.report()
-    assert len(report.cells) == 3 and len(report.stages) == 6
+    # DP-SGD divides by sample_rate x a released count of each fold's units: one count per fold (1% of epsilon, one
+    # stage over the three cells), then each fold's training and value.
+    assert len(report.cells) == 3 and len(report.stages) == 7 and report.stages[0].name == "fqe/count"
+    assert report.stages[0].budget == (0.01, 0.0) and report.stages[0].cells is None  # every fold's cell
+    assert all(c.stages[0] == "fqe/count" for c in report.cells)
     eps, delta, analysis = report.guarantee
     assert eps <= 1.0 + 1e-9 and delta == pytest.approx(1e-5) and "parallel" in analysis
     assert sum(s.epsilon for s in report.stages) > 2.5  # sequential composition would have cost ~3x
     assert len(result.fold_values) == 3 and result.ci_low <= result.value <= result.ci_high
     assert "folds" in result.variance
-    # DP-SGD divided by sample_rate x units: that premise is stated with the guarantee, and survives a restore.
-    assert any("number of units" in note for note in report.notes) and "assumes:" in report.describe()
+    # No premise contradicting the add/remove relation is printed with the guarantee.
+    assert not report.notes and "assumes:" not in report.describe()
     restored = PrivacyLedger()
     restored.load_state_dict(ledger.state_dict())
-    assert restored.report().notes == report.notes
+    assert restored.report().describe() == report.describe()
 
 
 def test_dp_fqe_reproduces_under_a_fixed_root_whatever_ran_before(tmp_path):
@@ -249,8 +253,8 @@ def test_dp_fqe_can_use_cells_of_a_partition_that_also_holds_a_training_cell(tmp
     result = dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(6), run_dir=tmp_path,
                     unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "eval1", "eval2"])
     cells = {c.name: c for c in ledger.report().cells}
-    assert cells["train"].stages == [] and len(result.fold_values) == 3
-    assert cells["eval1"].stages == ["eval1/train", "eval1/value"]
+    assert cells["train"].stages == [] and len(result.fold_values) == 3  # the folds' count touches their cells only
+    assert cells["eval1"].stages == ["fqe/count", "eval1/train", "eval1/value"]
     with pytest.raises(ValidationError, match="unknown cell"):
         dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(7), run_dir=tmp_path,
                unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "test"])

@@ -182,8 +182,10 @@ def test_reusing_the_training_units_composes_sequentially(csv, tmp_path):
                                             "eval.offline.epsilon": 0.25, "eval.offline.delta": 2e-6}))
     privacy = summary["privacy"]
     stages = {s["name"]: s for s in privacy["stages"]}
-    # The evaluation's budget comes out of training's: both stages touch every unit.
-    assert stages["train"]["budget"] == pytest.approx([0.75, 8e-6]) and stages["ope/wis"]["budget"] == [0.25, 2e-6]
+    # The evaluation's budget comes out of training's (and the count's 1% out of the run's): every stage touches
+    # every unit.
+    assert stages["unit_count"]["budget"] == [0.01, 0.0]
+    assert stages["train"]["budget"] == pytest.approx([0.74, 8e-6]) and stages["ope/wis"]["budget"] == [0.25, 2e-6]
     assert stages["train"]["cells"] is None and stages["ope/wis"]["cells"] is None and privacy["cells"] is None
     assert privacy["composition"].startswith("sequential")
     assert privacy["guarantee"]["epsilon"] <= privacy["basic_composition"][0] <= 1.0 + 1e-9

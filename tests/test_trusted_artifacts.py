@@ -187,7 +187,8 @@ def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, t
         _train(tmp_path, config)
     monkeypatch.setattr(io, "atomic_write_json", original)
     assert (run / "release" / "d_stable.npz").exists()
-    (stage,) = read_journal(run / "curator" / "journal.json").report().stages
+    count, stage = read_journal(run / "curator" / "journal.json").report().stages
+    assert count.name == "unit_count"  # the count came first, and was completed
     assert stage.name == "release" and sum(count for _, count in stage.events) == 5  # T runs, journaled first
     before = _files(run)
     capsys.readouterr()
@@ -344,7 +345,8 @@ def test_failure6_one_root_derives_every_secret_stream_and_seeds_reproduce_exact
     roots = {root for root, _ in handed_out}
     names = [name for _, name in handed_out]
     assert len(roots) == 1 and sorted(names) == ["release/actions", "release/env", "release/expert_choice",
-                                                 "release/laplace", "train/noise", "train/sampler"]
+                                                 "release/laplace", "train/noise", "train/sampler",
+                                                 "unit_count/noise"]
     monkeypatch.setattr(SecretRoot, "sequence", original)
 
     assert _train(tmp_path, _config(logged, tmp_path / "b", noise_seed=seed)) == 0

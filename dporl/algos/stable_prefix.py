@@ -51,8 +51,10 @@ from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 from dporl.experts.expert_set import ExpertSet, sample_from_log_probs
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.randomness import SecretRoot
-from dporl.privacy.sparse_vector import StablePrefixBudget, stable_prefix_budget
-from dporl.privacy.units import EXPERT
+from dporl.privacy.count import WHOLE, Units
+from dporl.privacy.relations import ADD_REMOVE
+from dporl.privacy.sparse_vector import StablePrefixBudget, check_stability_precondition, stable_prefix_budget
+from dporl.privacy.units import EXPERT, Relation
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 if TYPE_CHECKING:
@@ -68,6 +70,10 @@ _P_MIN_RTOL = 1e-9
 FRESH_ANALYSIS = (
     "sparse-vector stable-prefix release of fresh rollouts in the public simulator, (2 eps', beta) per run "
     "(Sharma et al. 2024, Lemma 5.1 and Algorithms 1-2; spec threshold G = G0 / p_min + t_beta)"
+)
+REPLACE_ONE_ANALYSIS = (
+    "; for replace-one neighbours by group privacy over one removal and one addition: (4 eps', (1 + e^{2 eps'}) "
+    "beta) per run"
 )
 LOGGED_NO_GUARANTEE = (
     "the paper's mechanism: NO guarantee (release.source = logged publishes LOGGED prefixes; Lemma 5.1 covers fresh "
@@ -184,8 +190,9 @@ def check_release_preconditions(
         )
     meta = dataset.metadata
     m = expert_set.n_experts
-    if meta.n_experts != m:
-        raise ValidationError("dataset.metadata.n_experts", f"{meta.n_experts} experts in the data, {m} in the expert set")
+    if meta.n_experts != m:  # the counts themselves are private: the refusal does not print them
+        raise ValidationError("dataset.metadata.n_experts", "the data and the expert set hold different numbers of "
+                              "experts: not the expert set that logged these data")
     if meta.n_actions != expert_set.n_actions:
         raise ValidationError(
             "dataset.metadata.n_actions", f"{meta.n_actions} actions in the data, {expert_set.n_actions} in the expert set"
@@ -243,25 +250,52 @@ def plan_release(
     epsilon: float,
     delta: float,
     config: StablePrefixConfig,
+    units: Optional[Units] = None,
+    defer_precondition: bool = False,
+    relation: Relation | str = ADD_REMOVE,
 ) -> ReleasePlan:
-    """Every refusal of the release, in order, before any query is answered or any budget recorded."""
+    """Every refusal of the release, in order, before any query is answered or any budget recorded.
+
+    The precondition m p_min >= G0 is checked on ``units`` (``stability_floor``: a released count's lower bound
+    less one under add/remove, the public count under replace-one); ``units=None`` checks it on the expert set's
+    size (callers to whom that size is public: audits, tests), ``defer_precondition`` not at all (a run planning
+    before its count; it calls ``check_precondition`` once the count is released)."""
     check_positive("release.epsilon", epsilon)
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
     p_min = check_release_preconditions(dataset, expert_set, config)
     simulator = public_simulator(dataset.metadata, config, expert_set) if config.source == "fresh" else None
-    return dataclasses.replace(accounting_plan(epsilon=epsilon, delta=delta, config=config, p_min=p_min,
-                                               n_experts=expert_set.n_experts), simulator=simulator)
+    plan = dataclasses.replace(accounting_plan(epsilon=epsilon, delta=delta, config=config, p_min=p_min,
+                                               n_experts=None, relation=relation), simulator=simulator)
+    if not defer_precondition:
+        check_precondition(plan, units if units is not None else Units.public({WHOLE: expert_set.n_experts}))
+    return plan
 
 
-def accounting_plan(*, epsilon: float, delta: float, config: StablePrefixConfig, p_min: float, n_experts: int
-                    ) -> ReleasePlan:
+def stability_floor(units: Units) -> float:
+    """The number of experts the precondition is checked on: with a released count, its lower bound less one (the
+    bound fails with probability ``units.failure``, charged by the count; less one: the neighbour compared with may
+    have one expert fewer, see ``dporl.privacy.count``); with a public count, the count."""
+    return units.lower - 1 if units.released else units.total
+
+
+def check_precondition(plan: ReleasePlan, units: Units) -> None:
+    """Refuse a release whose experts cannot make the first action stable (m p_min < G0), m = ``stability_floor``."""
+    what = (f"the lower confidence bound of the released count, less one ({units.describe()}; it holds except with "
+            f"probability {units.failure:g})" if units.released else units.describe())
+    check_stability_precondition(plan.budget, plan.p_min, stability_floor(units), what)
+
+
+def accounting_plan(*, epsilon: float, delta: float, config: StablePrefixConfig, p_min: float,
+                    n_experts: Optional[float], relation: Relation | str = ADD_REMOVE) -> ReleasePlan:
     """The release's privacy events from public quantities alone (no data, no simulator): what ``account`` records
-    for a release of ``n_experts`` experts at ``p_min``. Only for accounting (e.g. an audit planning the training
-    stage a run would calibrate against it); ``plan_release`` adds the checks and the simulator a release needs."""
+    for a release of ``n_experts`` experts at ``p_min`` (None: the precondition is not checked here). Only for
+    accounting (e.g. an audit planning the training stage a run would calibrate against it); ``plan_release`` adds
+    the checks and the simulator a release needs."""
     check_positive("release.epsilon", epsilon)
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
-    # Refuses m * p_min < G0 (not even the first action would be stable).
-    budget = stable_prefix_budget(epsilon, delta, config.trajectories, p_min, n_experts, monotone=config.monotone)
+    # Refuses m * p_min < G0 (not even the first action would be stable) when m is given.
+    budget = stable_prefix_budget(epsilon, delta, config.trajectories, p_min, n_experts, monotone=config.monotone,
+                                  relation=relation)
     return ReleasePlan(
         config.source, float(epsilon), float(delta), budget, p_min, config.trajectories, config.expert_chunk, None
     )
@@ -278,8 +312,9 @@ def account(plan: ReleasePlan, ledger: "PrivacyLedger") -> None:
         )
         return
     if RELEASE_STAGE not in ledger.stages:
-        ledger.stage(RELEASE_STAGE, budget=(plan.epsilon, plan.delta), mechanism="pld",
-                     unit=EXPERT, analysis=FRESH_ANALYSIS)
+        replace_one = ledger.relation == Relation.REPLACE_ONE
+        ledger.stage(RELEASE_STAGE, budget=(plan.epsilon, plan.delta), mechanism="pld", unit=EXPERT,
+                     analysis=FRESH_ANALYSIS + (REPLACE_ONE_ANALYSIS if replace_one else ""))
     ledger.record(RELEASE_STAGE, budget.event, plan.trajectories)
 
 
@@ -580,6 +615,7 @@ def release_stable_prefixes(
     root: SecretRoot,
     ledger: Optional["PrivacyLedger"] = None,
     progress: bool = False,
+    units: Optional[Units] = None,
 ) -> StablePrefixRelease:
     """Algorithms 1-2 with stage budget (epsilon, delta) over ``config.trajectories`` runs; see the module docstring.
 
@@ -587,7 +623,9 @@ def release_stable_prefixes(
     composition) receives T events (2 eps', beta) before any query is answered (the budget is spent whether or not a
     run finds a stable prefix); the logged variant instead voids the ledger and records the paper's figure.
     """
-    plan = plan_release(dataset, expert_set, epsilon=epsilon, delta=delta, config=config)
+    relation = ledger.relation if ledger is not None else ADD_REMOVE
+    plan = plan_release(dataset, expert_set, epsilon=epsilon, delta=delta, config=config, units=units,
+                        relation=relation)
     if ledger is not None:
         account(plan, ledger)
     runs = execute_release(plan, dataset, expert_set, root, progress=progress)

@@ -80,9 +80,9 @@ def expert_cql_audits(
     if not budgets:
         raise ValidationError("method", "a non_private run makes no privacy claim to audit")
     dataset, experts = _logged_data(config)
-    train_data = dataset
+    train_data, plan = dataset, None
     if dataset is not None:  # the budgets and training cell the run would use (units held out for evaluation)
-        budgets, train_data = training_plan(config, dataset)
+        budgets, train_data, plan = training_plan(config, dataset)
     m = n_experts if n_experts is not None else (train_data.metadata.n_experts if train_data is not None else None)
     p_min = p_min if p_min is not None else (dataset.metadata.p_min if dataset is not None else None)
     if m is None:
@@ -102,7 +102,8 @@ def expert_cql_audits(
                 raise ValidationError("trainer.max_steps", "needed to calibrate dp.noise_multiplier")
             planned = (_release_plan(config, budgets, dataset, experts, m, p_min) if RELEASE_STAGE in budgets
                        else None)
-            sigma = training_noise(config, budgets, planned, step_event_factory(q, config.dp.p_dp if mixed else None))
+            sigma = training_noise(config, budgets, planned, step_event_factory(q, config.dp.p_dp if mixed else None),
+                                   plan)
         common = {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": config.dp.max_grad_norm,
                   "delta": delta2, "accountant": config.dp.accountant, "rows_per_expert": config.dp.rows_per_expert}
         if mixed:

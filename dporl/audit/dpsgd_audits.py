@@ -6,8 +6,9 @@ All run the library's own code: the claimed epsilon is the accountant's for the 
 
 Expert-level steps on FIXED data. D is a ``TrajectoryDataset`` of m experts: a canary expert whose every logged
 observation is 100 C e1, and m - 1 others whose observations are fixed vectors orthogonal to e1; D' is D without
-the canary's episodes. The population size is public (the sampler counts experts without rows; README), so both
-keep m experts and the sampling rate q = B / m. The batch source is the one the expert_cql pipeline trains with,
+the canary's episodes. Both sample at the same rate q = B / m (the canary keeps its place in the population, so
+the two differ only in the canary's rows; a run derives q from a released count of the units, post-processing that
+is the same on both sides once drawn, and the count itself is its own accounted stage). The batch source is the one the expert_cql pipeline trains with,
 built by ``dporl.algos.expert_sources.training_source`` (``dp_sgd``: Poisson over experts with ``rows_per_expert``
 rows per sampled expert; ``mixed``: Algorithm 3's ``MixtureSource`` around it and D_stable). The learner is linear
 with loss -w . obs per row, so a unit's gradient is minus the mean of its rows (the canary's is clipped to exactly
@@ -120,11 +121,14 @@ def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, r
                         sample_rate: float, with_canary: bool, copies: int = 1, private_probability: float = 1.0):
     """The source expert_cql trains ``method`` with (``training_source``), on ``copies`` copies of D or D'."""
     from dporl.algos.expert_sources import training_source
+    from dporl.privacy.count import WHOLE, Units
 
     data = canary_dataset(n_experts, dim, clip, rows_per_expert, with_canary, copies)
     stable = _public_stable(dim) if method == "mixed" else None
+    # Both neighbours sample at the attacked rate: the population is the audit's public parameter, not D's size.
     return training_source(method, data, stable, batch_size=sample_rate * n_experts * copies,
-                           rows_per_expert=rows_per_expert, p_dp=private_probability)
+                           units=Units.public({WHOLE: n_experts * copies}), rows_per_expert=rows_per_expert,
+                           p_dp=private_probability)
 
 
 def released_step_scores(source, trials: int, *, noise_multiplier: float, clip: float, mode: str,

@@ -18,8 +18,10 @@ of w_e; PDIS / DR / FQE's initial-state value: a_u = sum of the unit's per-episo
 episodes). Each unit's pair is scaled to x_u = (a_u / value_scale, b_u) * min(1, C / ||(a_u / value_scale, b_u)||)
 / C: its L2 norm is <= 1 whatever the data, and scaling both coordinates by one factor keeps the unit's own ratio
 (a clipped unit is down-weighted, not distorted). Removing a unit removes one x_u: no other unit's contribution
-changes, and nothing divides by the number of units, so that number stays private (DP-FQE's DP-SGD divides by
-sample_rate x units unless ``FQETraining.expected_units`` gives a public constant; the ledger records which). The released vector is
+changes, and nothing divides by the number of units, so that number stays private. DP-FQE's DP-SGD divides its
+noisy sum by the expected batch: ``FQETraining.expected_units`` (a public constant), else sample_rate x a released
+count of the fold's units (``units``: the run's count, or one ``dp_fqe`` releases itself per fold with a
+``count_fraction`` of the budget, ``dporl.privacy.count``), never the private count. The released vector is
 z = sum_u (x_u1, x_u2, x_u1^2, sqrt(2) x_u1 x_u2, x_u2^2) + N(0, (sigma sqrt 2)^2 I): ||z_u||^2 =
 |x_u|^2 + |x_u|^4 <= 2, so one Gaussian mechanism with L2 sensitivity sqrt 2 and noise multiplier sigma, recorded as
 ``PoissonGaussianEvent(sigma, 1)`` and calibrated to the stage's budget by PLD. ``value_scale`` and ``C``
@@ -44,6 +46,10 @@ caveat that says why not) depends on the estimator, the config and a DECLARED pr
 is deterministic (``target_is_deterministic``), never on the probabilities it gives the LOGGED states. Read off the
 logged states, the flag of a target deterministic in some states only would tell which states were logged. The
 notes on the noisy denominator and the noisy variance read the released sums only.
+
+Neighbouring relation: the ledger's (``PrivacyLedger.relation``). For replace-one neighbours every release is
+calibrated and recorded for replace-one (``relations.analysed_for``: the Gaussian at twice the sensitivity, DP-FQE's
+steps by the replace-one PLD), and the number of units is public (``units`` may then be the exact counts).
 """
 
 from __future__ import annotations
@@ -60,11 +66,13 @@ import torch
 from dporl.algos.fqe import FQE_KEYS, DiscreteFQE, FQEConfig
 from dporl.data.dataset import TrajectoryDataset
 from dporl.privacy.calibration import calibrate_noise_multiplier
+from dporl.privacy.count import CountPlan, release_count
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.partition import UnitPartition, fold_partition
 from dporl.privacy.randomness import SecretRoot
+from dporl.privacy.relations import ADD_REMOVE, CONVERSION, analysed_for
 from dporl.privacy.samplers import PoissonUnitSource
 from dporl.privacy.units import dataset_unit
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
@@ -150,23 +158,34 @@ def _open_stage(ledger: PrivacyLedger, stage: str, budget: tuple[float, float], 
                 cells: Optional[Sequence[str]], mechanism: str = "pld", analysis: Optional[str] = None) -> None:
     if stage in ledger.stages:
         raise ValidationError("stage", f"stage {stage!r} already exists: every release needs its own stage")
+    if ledger.relation != ADD_REMOVE:
+        analysis = CONVERSION if analysis is None else f"{analysis}; {CONVERSION}"
     ledger.stage(stage, budget=budget, mechanism=mechanism, unit=dataset_unit(dataset), cells=cells,
                  analysis=analysis)
 
 
+def dpsgd_mechanism(relation) -> str:
+    """The analysis of DP-SGD stages: RDP for add/remove, the replace-one PLD otherwise (no RDP curve for it)."""
+    return "rdp" if relation == ADD_REMOVE else "pld"
+
+
 @functools.lru_cache(maxsize=256)
-def _dpsgd_noise_multiplier(epsilon: float, delta: float, steps: int, sample_rate: float) -> float:
-    """sigma for ``steps`` Poisson-subsampled Gaussian steps at (epsilon, delta) (RDP); public inputs, cached."""
+def _dpsgd_noise_multiplier(epsilon: float, delta: float, steps: int, sample_rate: float, relation=ADD_REMOVE
+                            ) -> float:
+    """sigma for ``steps`` Poisson-subsampled Gaussian steps at (epsilon, delta) for ``relation``; public inputs,
+    cached."""
     return calibrate_noise_multiplier(
-        epsilon, delta, steps, make_event=lambda sigma: PoissonGaussianEvent(sigma, sample_rate), mechanism="rdp"
+        epsilon, delta, steps, make_event=lambda sigma: analysed_for(relation, PoissonGaussianEvent(sigma, sample_rate)),
+        mechanism=dpsgd_mechanism(relation),
     )
 
 
 @functools.lru_cache(maxsize=256)
-def gaussian_noise_multiplier(epsilon: float, delta: float) -> float:
-    """sigma of one Gaussian mechanism (add/remove) at (epsilon, delta), by PLD."""
+def gaussian_noise_multiplier(epsilon: float, delta: float, relation=ADD_REMOVE) -> float:
+    """sigma of one Gaussian mechanism at (epsilon, delta) for ``relation`` neighbours, by PLD."""
     return calibrate_noise_multiplier(
-        epsilon, delta, 1, make_event=lambda sigma: PoissonGaussianEvent(sigma, 1.0), mechanism="pld"
+        epsilon, delta, 1, make_event=lambda sigma: analysed_for(relation, PoissonGaussianEvent(sigma, 1.0)),
+        mechanism="pld"
     )
 
 
@@ -199,8 +218,9 @@ def release_ratio(
     if pairs.dim() != 2 or pairs.shape[1] != 2 or (len(pairs) and pairs.norm(dim=1).max() > 1 + 1e-9):
         raise ValidationError("pairs", "expected [n_units, 2] pairs inside the unit ball (use unit_pairs)")
     s = ledger.stages[stage]
-    sigma = gaussian_noise_multiplier(*s.budget)
-    ledger.record(stage, PoissonGaussianEvent(sigma, 1.0))  # paid before anything is computed from the data
+    sigma = gaussian_noise_multiplier(*s.budget, ledger.relation)
+    # paid before anything is computed from the data
+    ledger.record(stage, analysed_for(ledger.relation, PoissonGaussianEvent(sigma, 1.0)))
     rows, sensitivity = (moment_rows(pairs), _SQRT2) if moments else (pairs, 1.0)
     std = sigma * sensitivity
     sums = rows.sum(dim=0) + noise.gaussian(rows.shape[1], std, dtype=torch.float64)
@@ -367,9 +387,8 @@ class FQETraining:
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = 0.5
     train_fraction: float = 0.8  # of each fold's epsilon; the rest releases the initial-state value
-    # DP-SGD divides the noisy sum of clipped unit gradients by the expected batch. None: sample_rate x the units in
-    # the data, which makes that count part of the mechanism (dporl's usual premise: it is public; recorded in the
-    # ledger). A public constant here keeps the number of units private.
+    # DP-SGD divides the noisy sum of clipped unit gradients by the expected batch: this public constant, or (None)
+    # sample_rate x a released count of the units trained on (the run's count, or dp_fqe's own per fold).
     expected_units: Optional[float] = None
     fqe: FQEConfig = field(default_factory=FQEConfig)
     progress: bool = False  # a progress bar per fold's DP-SGD training
@@ -388,18 +407,37 @@ class FQETraining:
             check_positive("fqe.expected_units", self.expected_units)
 
 
-class _PublicNormaliser:
-    """A batch source whose DP-SGD normaliser is a public constant instead of sample_rate x (number of units)."""
+def fqe_normaliser(training: FQETraining, units: Optional[float], what: str = "fqe") -> float:
+    """The public expected batch DP-FQE divides by: ``training.expected_units``, else sample_rate x ``units`` (a
+    released or public count; at least one unit). Refused by name when neither is given."""
+    if training.expected_units is not None:
+        return float(training.expected_units)
+    if units is None:
+        raise ValidationError(
+            "fqe.expected_units", f"{what}: DP-SGD divides by the expected batch, and the number of units trained on "
+            "is private: give a public fqe.expected_units, or units= (a released count of the fold's units)"
+        )
+    return training.sample_rate * max(float(units), 1.0)
 
-    def __init__(self, source: PoissonUnitSource, expected_units: float):
-        self.source, self.expected_batch_size = source, float(expected_units)
-        self.unit = source.unit
 
-    def sample(self, generator: torch.Generator):
-        return self.source.sample(generator)
-
-    def step_event(self, noise_multiplier: float):
-        return self.source.step_event(noise_multiplier)
+def _fold_counts(ledger: PrivacyLedger, root: SecretRoot, parts: dict[str, TrajectoryDataset],
+                 units: Optional[Any], epsilon: float, count_fraction: float, stage: str, training: FQETraining
+                 ) -> tuple[dict[str, Optional[float]], float]:
+    """(each fold's count for DP-FQE's normaliser, what is left of each fold's epsilon). A public normaliser or
+    given counts cost nothing; otherwise one count per fold is released (parallel: one stage over the folds'
+    cells) with ``count_fraction`` of epsilon."""
+    if training.expected_units is not None:
+        return {cell: None for cell in parts}, epsilon
+    if units is not None:
+        return {cell: (units.of(cell) if hasattr(units, "of") else float(units[cell])) for cell in parts}, epsilon
+    if ledger.relation != ADD_REMOVE:  # replace-one: the number of units is public
+        return {cell: float(part.n_units) for cell, part in parts.items()}, epsilon
+    check_probability("count_fraction", count_fraction, allow_zero=False, allow_one=False)
+    plan = CountPlan(count_fraction * epsilon, tuple(parts))
+    unit = dataset_unit(next(iter(parts.values())))
+    released = release_count(plan, {cell: part.n_units for cell, part in parts.items()}, ledger=ledger, root=root,
+                             unit=unit, stage=f"{stage}/count")
+    return {cell: float(released.counts[cell]) for cell in parts}, epsilon - plan.epsilon
 
 
 def fit_dp_fqe(
@@ -414,24 +452,23 @@ def fit_dp_fqe(
     stage: str,
     cells: Optional[Sequence[str]] = None,
     training: FQETraining = FQETraining(),
+    units: Optional[float] = None,
 ) -> DiscreteFQE:
-    """Unit-level DP-SGD fitted-Q evaluation through the Trainer, at (epsilon, delta) in ``stage``."""
+    """Unit-level DP-SGD fitted-Q evaluation through the Trainer, at (epsilon, delta) in ``stage``. DP-SGD divides
+    by ``fqe_normaliser(training, units)`` (``units``: a released or public count of ``dataset``'s units)."""
     if len(dataset.metadata.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", "FQE needs flat observations")
+    normaliser = fqe_normaliser(training, units, stage)
     t = dataset.transitions().to_torch()
     t["next_pi"] = action_probabilities(policy, t["next_obs"], dataset.metadata.n_actions).float()
     source = PoissonUnitSource.from_dataset(dataset, {k: t[k] for k in FQE_KEYS}, training.sample_rate,
-                                            training.rows_per_unit)
-    if training.expected_units is None:
-        ledger.assume(
-            "DP-FQE normalises DP-SGD by sample_rate x the number of units it trains on: that number is public"
-        )
-    else:
-        source = _PublicNormaliser(source, training.expected_units)
+                                            training.rows_per_unit, expected_batch=normaliser)
+    relation = ledger.relation
+    mechanism = dpsgd_mechanism(relation)
     with seeded(training.seed):  # not the global generator: its state depends on whatever ran before
         algorithm = DiscreteFQE(dataset.metadata.obs_shape[0], dataset.metadata.n_actions, training.fqe,
                                 dataset_unit(dataset))
-    _open_stage(ledger, stage, (epsilon, delta), dataset, cells, mechanism="rdp")
+    _open_stage(ledger, stage, (epsilon, delta), dataset, cells, mechanism=mechanism)
     steps = training.steps
     algorithm.plan_averaging(steps)
     Trainer(
@@ -439,8 +476,8 @@ def fit_dp_fqe(
         config=TrainerConfig(max_steps=steps, progress=training.progress, log_every=steps, eval_every=steps,
                              checkpoint_every=steps, curator_diagnostics=False,
                              optimizer=OptimizerConfig(name=training.optimizer, lr=training.lr)),
-        dp=DPConfig(epsilon=epsilon, delta=delta, max_grad_norm=training.max_grad_norm, accountant="rdp",
-                    noise_multiplier=_dpsgd_noise_multiplier(epsilon, delta, steps, training.sample_rate)),
+        dp=DPConfig(epsilon=epsilon, delta=delta, max_grad_norm=training.max_grad_norm, accountant=mechanism,
+                    noise_multiplier=_dpsgd_noise_multiplier(epsilon, delta, steps, training.sample_rate, relation)),
         ledger=ledger, run_dir=run_dir, pipeline="dp_fqe", pipeline_config={"stage": stage}, stage=stage,
         secret_root=root,  # streams "<stage>/sampler" and "<stage>/noise" of the run's root
     ).fit()
@@ -466,12 +503,17 @@ def dp_fqe(
     confidence: float = 0.95,
     value_range: Optional[tuple[float, float]] = None,
     fold_cells: Optional[Sequence[str]] = None,
+    units: Optional[Any] = None,
+    count_fraction: float = 0.01,
 ) -> OPEResult:
     """DP-FQE on K folds of units (parallel composition: the guarantee is one fold's (epsilon, delta)).
 
     Per fold: DP-SGD FQE at (train_fraction epsilon, delta / 2), then the fold's mean initial-state value
     sum_u sum_e V(s0_e) / sum_u n_u released by one Gaussian mechanism at the rest of the budget (delta / 2).
-    The interval is Student-t over the K fold values (module docstring).
+    The interval is Student-t over the K fold values (module docstring). DP-SGD's normaliser: ``fqe_normaliser``
+    with ``units`` (released or public counts per fold cell: a ``dporl.privacy.count.Units`` or a mapping), else,
+    with neither it nor ``training.expected_units``, a count per fold released here first (stage
+    "<stage>/count", ``count_fraction`` of epsilon, taken from the folds' budgets).
 
     The folds are a new keyed-hash partition (``folds``, ``salt``), or, with ``fold_cells``, those cells of the
     partition the ledger already holds (e.g. cells {"train", "eval0", ..., "eval4"}: a policy trained on "train"
@@ -493,6 +535,7 @@ def dp_fqe(
         if unknown:
             raise ValidationError("fold_cells", f"unknown cell {unknown[0]!r} (cells: {list(every)})")
         parts = {cell: every[cell] for cell in fold_cells}
+    counts, epsilon = _fold_counts(ledger, root, parts, units, epsilon, count_fraction, stage, training)
     eps_train = epsilon * training.train_fraction
     values, stages = [], []
     for index, (cell, part) in enumerate(parts.items()):
@@ -501,7 +544,8 @@ def dp_fqe(
         # table runs; docs/results.md). Independent starts turn that error into fold-to-fold variance.
         fold_training = replace(training, seed=training.seed + index)
         model = fit_dp_fqe(part, policy, epsilon=eps_train, delta=delta / 2, ledger=ledger, root=root,
-                           run_dir=Path(run_dir) / cell, stage=f"{cell}/train", cells=[cell], training=fold_training)
+                           run_dir=Path(run_dir) / cell, stage=f"{cell}/train", cells=[cell], training=fold_training,
+                           units=counts[cell])
         first = torch.from_numpy(part.initial_observations())
         v0 = model.state_values(first, action_probabilities(policy, first, part.metadata.n_actions).float()).double()
         value_stage = f"{cell}/value"
@@ -550,11 +594,14 @@ def dp_doubly_robust(
     confidence: float = 0.95,
     value_range: Optional[tuple[float, float]] = None,
     min_signal: float = 10.0,
+    units: Optional[Any] = None,
+    count_fraction: float = 0.01,
 ) -> tuple[OPEResult, DiscreteFQE]:
     """DR with its Q-model fitted by DP-FQE on the held-out cell and the estimate released on the train cell.
 
     Both stages run at (epsilon, delta) on disjoint cells: parallel composition, guarantee (epsilon, delta).
     The model is released (DP) before the estimate uses it: for a held-out unit the estimate is post-processing.
+    The model's DP-SGD normaliser comes from ``units`` / ``count_fraction`` as in ``dp_fqe`` (cell "model").
     """
     partition = ledger.partition(partition or UnitPartition("dporl-dr-split", {"estimate": 0.5, "model": 0.5}))
     if set(partition.names) != {"estimate", "model"}:
@@ -562,8 +609,11 @@ def dp_doubly_robust(
     parts = partition.split(dataset)
     if abs(gamma - training.fqe.gamma) > 1e-12:
         raise ValidationError("gamma", f"DR's gamma {gamma} differs from the FQE model's {training.fqe.gamma}")
-    model = fit_dp_fqe(parts["model"], policy, epsilon=epsilon, delta=delta, ledger=ledger, root=root,
-                       run_dir=Path(run_dir) / "model", stage="dr/model", cells=["model"], training=training)
+    counts, model_epsilon = _fold_counts(ledger, root, {"model": parts["model"]}, units, epsilon, count_fraction,
+                                         "dr", training)
+    model = fit_dp_fqe(parts["model"], policy, epsilon=model_epsilon, delta=delta, ledger=ledger, root=root,
+                       run_dir=Path(run_dir) / "model", stage="dr/model", cells=["model"], training=training,
+                       units=counts["model"])
     result = dp_importance_sampling(
         parts["estimate"], policy, epsilon=epsilon, delta=delta, ledger=ledger, root=root, unit_clip=unit_clip,
         value_scale=value_scale, kind="dr", gamma=gamma, q_model=model.q_values, stage="dr/estimate",

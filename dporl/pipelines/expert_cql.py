@@ -18,6 +18,17 @@ environment and never reads the logged data, so D_unstable is the whole logged d
 is the paper's variant, kept for reproduction: the run prints "the paper's mechanism: NO guarantee" and never a
 GUARANTEE line (its figure is shown as a paper claim).
 
+Neighbouring relation (``relation``). ``add_remove`` (the default): D and D' differ by one unit, so the number of
+units m is private and the run never uses it: its first spend is a private count m~ (stage "unit_count", a
+``count_fraction`` share of the budget, ``dporl.privacy.count``), and every count-dependent quantity is derived
+from m~: the Poisson rate B / m~ (DP-SGD still divides by the public B), the calibrated noise and step count, the
+stable-prefix precondition (on m~'s lower confidence bound), DP-FQE's normalisers (one count per cell of the
+evaluation partition), and refusals (which name m~ as the released estimate). ``replace_one``: D and D' have the
+same units, one unit's data replaced; m is public by that definition and is used as is, and every mechanism is
+analysed for replace-one neighbours (``dporl.privacy.relations``: DP-SGD and mixture steps by the replace-one PLD,
+the stable-prefix runs by group privacy), which the GUARANTEE line states ("replace one unit's data; the number of
+units is public").
+
 Privacy unit: one expert (its policy and every trajectory it logged). Accounting: the release stage composes T
 (2 eps', beta) runs by PLD; the training stage records one event per step as the sampler states it (a
 ``MixtureEvent`` for Algorithm 3: the branch taken is observable, so the paper's rate-(p_dp q) figure is recorded as
@@ -45,7 +56,8 @@ diagnostics: which expert each run followed, the full summary, generated data by
 ``release/`` counts the private logged data. All secret randomness of a run comes from one ``SecretRoot``
 (``noise_seed``, else 256 bits from the OS CSPRNG): streams "release/expert_choice", "release/env",
 "release/actions", "release/laplace", "train/sampler", "train/noise". The whole run has the budget (``epsilon``,
-``delta``): the ledger refuses any stage or state that would take the guarantee past it.
+``delta``): the ledger refuses any stage or state that would take the guarantee past it. The count draws from the
+stream "unit_count/noise".
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ from dporl.algos.stable_prefix import (
     ReleasePlan,
     StablePrefixConfig,
     account,
+    check_precondition,
     plan_release,
     release_stable_prefixes,
 )
@@ -74,9 +87,13 @@ from dporl.pipelines import Pipeline, curator_note, get_pipeline, register
 from dporl.pipelines.inputs import DataConfig, import_dataset, save_imported
 from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
+from dporl.pipelines.unit_count import check_delta, count_once, describe_count, public_units, with_released_count
 from dporl.privacy.accountants import paper_mixture_epsilon
+from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, Units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
+from dporl.privacy.relations import CONVERSION, analysed_for
+from dporl.privacy.units import Relation
 from dporl.privacy.samplers import MixtureSource
 from dporl.privacy.units import dataset_unit
 from dporl.train.config import DPConfig, TrainerConfig
@@ -100,7 +117,10 @@ class PrivateTrainingConfig:
     max_grad_norm: float = 1.0  # C, per-expert gradient clip
     rows_per_expert: int = 1  # k transitions per sampled expert (1: the paper; >1: user-level DP-SGD, same privacy)
     p_dp: float = 0.5  # "mixed": probability of a DP-SGD step (the paper's grid: 0.1, 0.2, 0.5, 1)
-    accountant: Literal["rdp", "prv", "pld"] = "rdp"
+    # The training stage's analysis. PLD, the analysis of the run's joint guarantee: a private run composes the count
+    # (and the release) with training, and the report's joint PLD is tighter than RDP or PRV, so a stage calibrated
+    # by either of those would leave part of the budget unused (measured: 0.91 of 1.0 on the table quickstart).
+    accountant: Literal["rdp", "prv", "pld"] = "pld"
     clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
 
     def __post_init__(self) -> None:
@@ -140,8 +160,12 @@ class ExpertCQLConfig:
     run_dir: str = "runs/expert_cql"
     epsilon: float = 10.0  # total expert-level budget of the run (release + training)
     delta: float = 1e-5  # total delta; "mixed" gives half to each stage (the paper)
-    release_fraction: float = 0.5  # "mixed": eps1 = release_fraction * epsilon
-    batch_size: int = 256  # B: expected experts per DP-SGD step (rate B / m) and transitions per noiseless step
+    release_fraction: float = 0.5  # "mixed": eps1 = release_fraction * (epsilon less the count's share)
+    batch_size: int = 256  # B: expected experts per DP-SGD step (rate B / m~) and transitions per noiseless step
+    # add_remove: one unit added or removed (the number of units is private: released by a count, m~); replace_one:
+    # one unit's data replaced (the number of units is public), every mechanism analysed for replace-one.
+    relation: Literal["add_remove", "replace_one"] = "add_remove"
+    count_fraction: float = 0.01  # add_remove: the count's share of epsilon (its delta: 0, or its lower bound's)
     # Secret by default: a known noise seed lets anyone subtract the noise (see dporl.privacy.noise).
     noise_seed: Optional[int] = None
     data: DataConfig = field(default_factory=lambda: DataConfig(dataset="data/cartpole.npz"))
@@ -157,19 +181,50 @@ class ExpertCQLConfig:
         check_positive("epsilon", self.epsilon)
         check_probability("delta", self.delta, allow_zero=False, allow_one=False)
         check_probability("release_fraction", self.release_fraction, allow_zero=False, allow_one=False)
+        check_probability("count_fraction", self.count_fraction, allow_zero=False, allow_one=False)
+        if self.relation not in ("add_remove", "replace_one"):
+            raise ValidationError("relation", f"expected 'add_remove' or 'replace_one', got {self.relation!r}")
         if self.batch_size < 1:
             raise ValidationError("batch_size", f"must be >= 1, got {self.batch_size}")
 
+    @property
+    def neighbours(self) -> Relation:
+        return Relation.ADD_REMOVE if self.relation == "add_remove" else Relation.REPLACE_ONE
+
+    def count_budget(self) -> Optional[tuple[float, float]]:
+        """(epsilon, delta) of the private count of the units: add/remove runs with a guarantee only. Its delta is
+        the charged failure of the lower bound the stable-prefix precondition is checked on (0 without a release)."""
+        if self.method == "non_private" or self.relation != "add_remove":
+            return None
+        failure = LOWER_BOUND_FAILURE * self.delta if self.method in ("stable_only", "mixed") else 0.0
+        return self.count_fraction * self.epsilon, 2 * failure
+
+    def spendable(self) -> tuple[float, float]:
+        """The run budget less the count's share: what the release, training and evaluation divide."""
+        count = self.count_budget() or (0.0, 0.0)
+        return self.epsilon - count[0], self.delta - count[1]
+
     def stage_budgets(self) -> dict[str, tuple[float, float]]:
-        """(epsilon, delta) of each private stage this method runs."""
+        """(epsilon, delta) of each private stage this method runs (the count first, when there is one)."""
         if self.method == "non_private":
             return {}
+        count = self.count_budget()
+        budgets = {} if count is None else {COUNT_STAGE: count}
+        eps, delta = self.spendable()
         if self.method == "dp_sgd":
-            return {TRAIN_STAGE: (self.epsilon, self.delta)}
+            return {**budgets, TRAIN_STAGE: (eps, delta)}
         if self.method == "stable_only":
-            return {RELEASE_STAGE: (self.epsilon, self.delta)}
-        eps1 = self.release_fraction * self.epsilon
-        return {RELEASE_STAGE: (eps1, self.delta / 2), TRAIN_STAGE: (self.epsilon - eps1, self.delta / 2)}
+            return {**budgets, RELEASE_STAGE: (eps, delta)}
+        eps1 = self.release_fraction * eps
+        return {**budgets, RELEASE_STAGE: (eps1, delta / 2), TRAIN_STAGE: (eps - eps1, delta / 2)}
+
+    def count_plan(self, plan: Optional["EvaluationPlan"]) -> Optional[CountPlan]:
+        """The count this run releases (None without one): one per cell of the evaluation's partition."""
+        count = self.count_budget()
+        if count is None:
+            return None
+        cells = None if plan is None or plan.partition is None else plan.partition.names
+        return CountPlan(count[0], cells, count[1] / 2)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -236,8 +291,10 @@ def run_release(
     ledger: PrivacyLedger,
     run: RunDirectory,
     root: SecretRoot,
+    units: Units,
 ) -> tuple[TrajectoryDataset, dict[str, Any]]:
-    """(D_stable, the release's public summary); a paid release of this run is reused, never repeated.
+    """(D_stable, the release's public summary); a paid release of this run is reused, never repeated. The
+    precondition m p_min >= G0 is checked on ``units`` (the released count's lower bound, or the public count).
 
     Order (write-ahead): the release stage's T events are journaled before any query is answered (the ledger is
     the run's journaled ledger), then the artifacts are written (D_stable and its public summary to release/, which
@@ -262,7 +319,7 @@ def run_release(
         )
     result = release_stable_prefixes(
         dataset, experts, epsilon=budget[0], delta=budget[1], config=config.release, root=root, ledger=ledger,
-        progress=config.trainer.progress,
+        progress=config.trainer.progress, units=units,
     )
     result.save(run.release, run.curator)
     if experts is not None and experts.repaired_queries:
@@ -323,8 +380,7 @@ def _evaluation_plan(config: ExpertCQLConfig, dataset: TrajectoryDataset, env_id
     """The offline evaluation of a run without a simulator (None with one; the release methods evaluate only there)."""
     if env_id is not None or config.method in ("stable_only", "mixed"):
         return None
-    return plan_evaluation(config.eval.offline, dataset, (config.epsilon, config.delta),
-                           config.stage_budgets().get(TRAIN_STAGE))
+    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE))
 
 
 def resolved_budgets(config: ExpertCQLConfig, plan: Optional[EvaluationPlan]) -> dict[str, tuple[float, float]]:
@@ -337,12 +393,13 @@ def resolved_budgets(config: ExpertCQLConfig, plan: Optional[EvaluationPlan]) ->
 
 
 def training_plan(config: ExpertCQLConfig, dataset: TrajectoryDataset):
-    """(stage budgets, the data the training stage samples from) for ``config`` on ``dataset``, as ``run`` decides
-    them: the "train" cell when units are held out for a private evaluation (the audits use this)."""
+    """(stage budgets, the data the training stage samples from, the evaluation plan) for ``config`` on
+    ``dataset``, as ``run`` decides them: the "train" cell when units are held out for a private evaluation (the
+    audits use this)."""
     plan = _evaluation_plan(config, dataset, simulator_id(config.eval, dataset.metadata.env_id))
-    parts = check_cells(plan, dataset) if plan is not None else {}
+    parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     train_data = parts["train"] if plan is not None and plan.train_cells is not None else dataset
-    return resolved_budgets(config, plan), train_data
+    return resolved_budgets(config, plan), train_data, plan
 
 
 def _announce_evaluation(config: ExpertCQLConfig, env_id: Optional[str], plan: Optional[EvaluationPlan],
@@ -400,7 +457,7 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
     env_id = simulator_id(config.eval, meta.env_id)
     plan = _evaluation_plan(config, dataset, env_id)
     budgets = resolved_budgets(config, plan)
-    sigma, train_data = _preflight(config, dataset, experts, budgets, plan)
+    checked = _preflight(config, dataset, experts, budgets, plan)
     with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
         algorithm = DiscreteCQL(meta.obs_shape[0], meta.n_actions, config.cql, privacy_unit=dataset_unit(dataset))
     evaluate, env = (returns_evaluator(config.eval, env_id, config.trainer.progress) if env_id is not None else
@@ -415,37 +472,63 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
         if config.data.imported:
             save_imported(dataset, run.curator / "data", frame)  # curator-only copy of what was imported
         root = SecretRoot(config.noise_seed)
-        ledger = run.ledger(budget=(config.epsilon, config.delta) if budgets else None)
-        summary = _train(config, run, root, ledger, budgets, sigma, dataset, train_data, experts, algorithm,
-                         evaluate, env, plan)
+        ledger = run.ledger((config.epsilon, config.delta) if budgets else None, config.neighbours)
+        summary = _train(config, run, root, ledger, budgets, checked, dataset, experts, algorithm, evaluate, env,
+                         plan)
     finally:
         if env is not None:
             env.close()
     return summary
 
 
-def _train_dp_config(config: ExpertCQLConfig, budget: tuple[float, float], sigma: Optional[float] = None) -> DPConfig:
+def shares_run_budget(config: ExpertCQLConfig, plan: Optional[EvaluationPlan]) -> bool:
+    """Whether the training stage takes what the earlier stages leave of the run budget under the run's joint PLD
+    (instead of a fixed share): after an accounted release (Algorithm 3) or a count, when it is the run's last
+    stage (no private evaluation follows) and no cells of a partition are involved (the ledger composes a sharing
+    stage sequentially only)."""
+    if TRAIN_STAGE not in config.stage_budgets() or (plan is not None and plan.estimator != "none"):
+        return False
+    return (config.method == "mixed" and config.release.source == "fresh") or config.count_budget() is not None
+
+
+def _train_dp_config(config: ExpertCQLConfig, budget: tuple[float, float], sigma: Optional[float] = None,
+                     plan: Optional[EvaluationPlan] = None) -> DPConfig:
     return DPConfig(
         epsilon=budget[0],
         delta=budget[1],
         noise_multiplier=config.dp.noise_multiplier if sigma is None else sigma,
         max_grad_norm=config.dp.max_grad_norm,
-        accountant=config.dp.accountant,
+        # replace-one steps are analysed by their replace-one PLD (dporl.privacy.relations): no RDP curve for them
+        accountant=config.dp.accountant if config.relation == "add_remove" else "pld",
         clipping=config.dp.clipping,
         # Algorithm 3 with an accounted release: the training stage takes what the release leaves of the run budget
         # under the joint PLD of both stages (the run's guarantee), not a fixed eps - eps1.
-        share_run_budget=config.method == "mixed" and config.release.source == "fresh",
+        share_run_budget=shares_run_budget(config, plan),
     )
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What ``_preflight`` decided before the run's first write: the release plan (its precondition on the number
+    of experts deferred until a count exists under add/remove), the data training reads and its cell, and, where
+    the number of units is public (replace-one), the units and the training noise."""
+
+    release: Optional[ReleasePlan]
+    train_data: TrajectoryDataset
+    train_cell: Optional[str]
+    units: Optional[Units] = None
+    sigma: Optional[float] = None
 
 
 def _preflight(
     config: ExpertCQLConfig, dataset: TrajectoryDataset, experts: Optional[ExpertSet], budgets,
     plan: Optional[EvaluationPlan],
-) -> tuple[Optional[float], TrajectoryDataset]:
+) -> Checked:
     """Every refusal the run can know before it spends anything, raised before its first write: the method's needs,
-    the batch size, the release's preconditions and budget, the evaluation's cells, and whether one training step
-    fits the training budget. Returns the training stage's noise multiplier (calibrated here once when the config
-    leaves it to the budget) and the data training reads (the "train" cell when units are held out)."""
+    the release's preconditions and budget, the evaluation's cells, delta against the batch size and, where the
+    number of units is public (replace-one), everything that depends on it (the batch size, delta < 1/m, the
+    release's m p_min >= G0, whether one training step fits; the training noise is calibrated here once). Under
+    add/remove those follow the count (``_after_count``): they are functions of a released value."""
     column = dataset.metadata.unit_column
     if column is not None and config.method in ("stable_only", "mixed"):
         raise ValidationError(
@@ -456,60 +539,97 @@ def _preflight(
     release = None
     if RELEASE_STAGE in budgets:  # no simulator, no (or a foreign) expert set, p_min, budget: every refusal
         eps1, delta1 = budgets[RELEASE_STAGE]
-        release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release)
-    parts = check_cells(plan, dataset) if plan is not None else {}
-    train_data = parts["train"] if plan is not None and plan.train_cells is not None else dataset
-    if TRAIN_STAGE in budgets:
-        # The sampling rate B / m does not depend on which rows.
-        private = expert_source(train_data, train_data.metadata.n_experts, config.batch_size,
-                                config.dp.rows_per_expert)
-        source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
-        return training_noise(config, budgets, release, source.step_event), train_data
-    return None, train_data
+        release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release,
+                               defer_precondition=True, relation=config.neighbours)
+    parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
+    held_out = plan is not None and plan.train_cells is not None
+    checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
+    if TRAIN_STAGE in budgets and config.delta * config.batch_size >= 1:  # B <= m is required: delta < 1/B is too
+        raise ValidationError("delta", f"delta={config.delta:g} is not below 1/batch_size = 1/{config.batch_size}, "
+                              "so not below 1/n for any number of units n DP-SGD can sample from; lower delta")
+    if budgets and config.relation == "replace_one":  # the counts are public: every check now
+        units = public_units(dataset, None if plan is None else plan.partition)
+        return replace(checked, units=units, sigma=_after_count(config, budgets, checked, units, plan))
+    return checked
+
+
+def _after_count(config: ExpertCQLConfig, budgets, checked: Checked, units: Units,
+                 plan: Optional[EvaluationPlan]) -> Optional[float]:
+    """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
+    delta < 1/n, the release's precondition, the batch size, and the training noise (None without training)."""
+    check_delta(config.delta, units)
+    if checked.release is not None:
+        check_precondition(checked.release, units)
+    if TRAIN_STAGE not in budgets:
+        return None
+    # The sampling rate B / m does not depend on which rows.
+    private = expert_source(checked.train_data, config.batch_size, config.dp.rows_per_expert, units,
+                            checked.train_cell)
+    source = private if config.method == "dp_sgd" else MixtureSource(config.dp.p_dp, private, None)
+    return training_noise(config, budgets, checked.release, source.step_event, plan)
 
 
 def training_noise(
-    config: ExpertCQLConfig, budgets, release: Optional[ReleasePlan], step_event: Callable[[float], Any]
+    config: ExpertCQLConfig, budgets, release: Optional[ReleasePlan], step_event: Callable[[float], Any],
+    plan: Optional[EvaluationPlan] = None,
 ) -> Optional[float]:
     """The training stage's noise multiplier as a run of ``config`` calibrates it (None without a training stage):
     for its own stage budget, or, when the stage shares the run budget (Algorithm 3 after a fresh release), for what
-    the release's events (``release``, recorded first) leave of the run budget under one joint PLD. The audits call
-    this too, so that what they attack is the noise the run would add."""
+    the count's and the release's events (recorded first) leave of the run budget under one joint PLD. The audits
+    call this too, so that what they attack is the noise the run would add. ``step_event`` is the add/remove event
+    of the run's sampler; a replace-one run analyses it for replace-one. ``plan``: the run's evaluation plan."""
     if TRAIN_STAGE not in budgets:
         return None
-    planned = PrivacyLedger((config.epsilon, config.delta))  # scratch: the release as it will be recorded
+    planned = PrivacyLedger((config.epsilon, config.delta), config.neighbours)  # scratch: earlier stages as recorded
+    count = config.count_plan(None)
+    if count is not None:  # the count's events do not depend on its cells
+        planned.stage(COUNT_STAGE, budget=count.budget, mechanism="pld")
+        for event, times in count.events:
+            planned.record(COUNT_STAGE, event, times)
     if release is not None:
         account(release, planned)
-    return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE]), config.trainer.max_steps, step_event,
+
+    def analysed(sigma: float):
+        return analysed_for(config.neighbours, step_event(sigma))
+
+    return plan_privacy(_train_dp_config(config, budgets[TRAIN_STAGE], plan=plan), config.trainer.max_steps, analysed,
                         ledger=planned, stage=TRAIN_STAGE)[0]
 
 
-def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, experts, algorithm, evaluate, env,
+def _train(config, run, root, ledger, budgets, checked: Checked, dataset, experts, algorithm, evaluate, env,
            plan) -> dict:
     meta = dataset.metadata
     stable, release_public = None, None
-    if plan is not None and plan.partition is not None:
-        ledger.partition(plan.partition)  # the run's one split of the units (a keyed hash of their ids)
+    train_data = checked.train_data
+    partition = None if plan is None else plan.partition
+    if partition is not None:
+        ledger.partition(partition)  # the run's one split of the units (a keyed hash of their ids)
+    units, sigma, released_count = checked.units, checked.sigma, None
+    count = config.count_plan(plan)
+    if count is not None:  # the first spend: everything count-dependent is derived from its released value
+        released_count = count_once(run, ledger, root, count, dataset, partition)
+        print(describe_count(released_count))
+        units = released_count.units()
+        sigma = _after_count(config, budgets, checked, units, plan)
     if RELEASE_STAGE in budgets:
-        stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root)
+        stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root,
+                                             units)
         # Only functions of the release are printed: never a count of the private logged data.
         print(
             f"stable-prefix release ({release_public.get('source', config.release.source)} prefixes): "
             f"{stable.n_episodes} prefixes of {config.release.trajectories} runs, {stable.n_transitions} transitions "
             f"in D_stable"
         )
-    if TRAIN_STAGE in budgets:
-        ledger.assume(f"the number of units in the training data is public: DP-SGD samples each at rate "
-                      f"{config.batch_size:g} / m and divides by the expected batch")
-    dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma) if TRAIN_STAGE in budgets else None
+    dp = _train_dp_config(config, budgets[TRAIN_STAGE], sigma, plan) if TRAIN_STAGE in budgets else None
     if dp is not None and TRAIN_STAGE not in ledger.stages:  # (a resumed run recovered it from its journal)
         # Opened here for its cells (the Trainer opens the same stage otherwise and checks it matches).
-        ledger.stage(TRAIN_STAGE, budget=budgets[TRAIN_STAGE], mechanism=config.dp.accountant,
+        ledger.stage(TRAIN_STAGE, budget=budgets[TRAIN_STAGE], mechanism=dp.accountant,
                      unit=dataset_unit(dataset), cells=None if plan is None else plan.train_cells,
-                     shares_run_budget=dp.share_run_budget)
+                     shares_run_budget=dp.share_run_budget,
+                     analysis=None if config.relation == "add_remove" else CONVERSION)
     source = training_source(
-        config.method, train_data, stable, batch_size=config.batch_size, rows_per_expert=config.dp.rows_per_expert,
-        p_dp=config.dp.p_dp,
+        config.method, train_data, stable, batch_size=config.batch_size, units=units, cell=checked.train_cell,
+        rows_per_expert=config.dp.rows_per_expert, p_dp=config.dp.p_dp,
     )
 
     env_id = None if env is None else (config.eval.env_id or meta.env_id)
@@ -535,9 +655,9 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, exper
     if plan is not None and plan.estimator != "none":
         if config.method == "non_private" and ledger.void_reason is None:
             ledger.void("method non_private: the policy was trained without privacy")
-        offline = _evaluate_offline_once(config, run, root, ledger, plan, dataset, algorithm)
+        offline = _evaluate_offline_once(config, run, root, ledger, plan, dataset, algorithm, units)
     report = ledger.report()
-    privacy = report.to_dict()
+    privacy = with_released_count(report.to_dict(), released_count)
     atomic_write_json(run.release / "privacy_report.json", privacy)  # every stage, the evaluation's included
     _log_final_scalars(run, result.steps, report, offline)
     returns = [metrics["eval/return_mean"] for _, metrics in result.eval_history if "eval/return_mean" in metrics]
@@ -564,6 +684,7 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, exper
         "return_mean_last_evals": sum(last) / len(last) if last else math.nan,
         "evaluation": evaluation,
         "release": release_public,
+        "unit_count": None if released_count is None else released_count.to_dict(),
         "stable_transitions": None if stable is None else int(stable.n_transitions),
         "privacy": privacy,
         "policy": "policy/",
@@ -582,7 +703,8 @@ def _train(config, run, root, ledger, budgets, sigma, dataset, train_data, exper
 OFFLINE_EVALUATION = "offline_evaluation"
 
 
-def _evaluate_offline_once(config, run, root, ledger, plan: EvaluationPlan, dataset, algorithm) -> dict[str, Any]:
+def _evaluate_offline_once(config, run, root, ledger, plan: EvaluationPlan, dataset, algorithm,
+                           units: Optional[Units]) -> dict[str, Any]:
     """The private evaluation of the learned policy, paid once: a resumed run reuses a completed one and refuses to
     repeat one an earlier attempt started (its releases are charged in the journal)."""
     manifest = run.completed(OFFLINE_EVALUATION)
@@ -597,7 +719,7 @@ def _evaluate_offline_once(config, run, root, ledger, plan: EvaluationPlan, data
         )
     offline = replace(config.eval.offline, fqe=replace(config.eval.offline.fqe, progress=config.trainer.progress))
     result = evaluate_offline(plan, offline, dataset, algorithm, gamma=config.cql.gamma, ledger=ledger, root=root,
-                              work_dir=run.curator / "offline_evaluation")
+                              work_dir=run.curator / "offline_evaluation", units=units)
     manifest = {**result.to_dict(), "estimator": plan.estimator}
     run.complete(OFFLINE_EVALUATION, manifest)
     print(f"offline evaluation: {result.describe()}")

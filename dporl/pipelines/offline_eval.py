@@ -40,7 +40,9 @@ from dporl.eval.private_ope import (
 )
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition
+from dporl.privacy.count import Units
 from dporl.privacy.randomness import SecretRoot
+from dporl.privacy.relations import ADD_REMOVE
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 Estimator = Literal["auto", "wis", "pdis", "dr", "fqe", "none"]
@@ -184,13 +186,13 @@ def plan_evaluation(
     return EvaluationPlan(estimator, partition, None, budget, train_budget)
 
 
-def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset) -> dict[str, TrajectoryDataset]:
+def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset, relation=ADD_REMOVE) -> dict[str, TrajectoryDataset]:
     """Every cell's dataset (a cell without units is refused by name, before anything is spent)."""
     if plan.partition is None:
         return {}
     parts = plan.partition.split(dataset)
     if plan.estimator in ("wis", "pdis", "dr"):  # the noise multipliers are public functions of the budget
-        gaussian_noise_multiplier(*plan.budget)
+        gaussian_noise_multiplier(*plan.budget, relation)
     return parts
 
 
@@ -204,8 +206,10 @@ def evaluate_offline(
     ledger: PrivacyLedger,
     root: SecretRoot,
     work_dir: Path,
+    units: Optional[Units] = None,
 ) -> OPEResult:
-    """Run the planned estimator on the evaluation cells (the ledger holds ``plan.partition`` already)."""
+    """Run the planned estimator on the evaluation cells (the ledger holds ``plan.partition`` already). ``units``:
+    the run's counts per cell (released, or public under replace-one), DP-FQE's normalisers."""
     eps, delta = plan.budget
     common = dict(ledger=ledger, root=root, unit_clip=config.unit_clip, value_scale=config.value_scale,
                   confidence=config.confidence, value_range=config.value_range)
@@ -217,12 +221,13 @@ def evaluate_offline(
     if plan.estimator == "fqe":
         training = _fqe_training(config.fqe, gamma)
         return dp_fqe(dataset, policy, epsilon=eps, delta=delta, run_dir=work_dir, training=training,
-                      fold_cells=cells, stage="fqe", **common)
+                      fold_cells=cells, stage="fqe", units=units, **common)
     if plan.estimator == "dr":
         parts = plan.partition.split(dataset)
         training = _fqe_training(config.fqe, gamma)
         model = fit_dp_fqe(parts["model"], policy, epsilon=eps, delta=delta, ledger=ledger, root=root,
-                           run_dir=work_dir / "model", stage="dr/model", cells=["model"], training=training)
+                           run_dir=work_dir / "model", stage="dr/model", cells=["model"], training=training,
+                           units=None if units is None else units.of("model"))
         result = dp_importance_sampling(
             parts["estimate"], policy, epsilon=eps, delta=delta, kind="dr", gamma=gamma, q_model=model.q_values,
             stage="dr/estimate", cells=["estimate"], **common,

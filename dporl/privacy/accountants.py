@@ -39,6 +39,7 @@ from dporl.privacy.events import (
     MixtureEvent,
     PoissonGaussianEvent,
     PrivacyEvent,
+    ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
     event_from_dict,
     event_to_dict,
@@ -82,7 +83,7 @@ ADD_REMOVE, REPLACE_ONE = Relation.ADD_REMOVE, Relation.REPLACE_ONE
 
 
 def adjacency(event: PrivacyEvent) -> Relation:
-    replace_one = isinstance(event, SampledWithoutReplacementGaussianEvent) or (
+    replace_one = isinstance(event, (SampledWithoutReplacementGaussianEvent, ReplaceOneEvent)) or (
         isinstance(event, ApproxDPEvent) and event.replace_one
     )
     return REPLACE_ONE if replace_one else ADD_REMOVE
@@ -138,6 +139,12 @@ def rdp_curve(event: PrivacyEvent) -> np.ndarray:
         )
         accountant.compose(dp_accounting.LaplaceDpEvent(event.noise_multiplier))
         return np.asarray(accountant.rdp, dtype=float)
+    if isinstance(event, ReplaceOneEvent):
+        raise ValidationError(
+            "accountant.mechanism",
+            f"{event} is analysed for replace-one neighbours by its privacy loss distribution; account it with "
+            "mechanism='pld'",
+        )
     if isinstance(event, ApproxDPEvent):
         raise ValidationError(
             "accountant.mechanism",
@@ -307,6 +314,10 @@ def event_pld(event: PrivacyEvent):
         return plds.from_privacy_parameters(
             pld.common.DifferentialPrivacyParameters(event.epsilon, event.delta), value_discretization_interval=d
         )
+    if isinstance(event, ReplaceOneEvent):
+        from dporl.privacy.relations import replace_one_pld
+
+        return replace_one_pld(event.event)
     if isinstance(event, SampledWithoutReplacementGaussianEvent):
         raise ValidationError(
             "accountant.mechanism",
@@ -406,6 +417,10 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
     for event, count in history:
         if not count or spends_nothing(event):
             continue
+        if isinstance(event, ReplaceOneEvent):  # a replacement moves the release by twice the sensitivity
+            from dporl.privacy.relations import doubled_sensitivity
+
+            event = doubled_sensitivity(event.event)
         if isinstance(event, MixtureEvent):
             event = event.event
         if isinstance(event, (PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent)):
@@ -416,6 +431,8 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
             pure_epsilon += count * event.epsilon
             spent_delta += count * event.delta
     remaining = delta - spent_delta
+    if rho == 0:  # pure and (eps, delta) events only: basic composition, exact at the deltas they spend
+        return pure_epsilon if remaining >= 0 else math.inf
     if remaining <= 0:
         return math.inf
     return pure_epsilon + rho + 2 * math.sqrt(rho * math.log(1 / remaining))
@@ -429,8 +446,10 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
     RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free.
     """
     check_mechanism(mechanism)
-    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    check_probability("delta", delta, allow_one=False)
     history = [(event, check_count("count", count)) for event, count in events]
+    if delta == 0:
+        return pure_epsilon(history)
     relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
     if len(relations) > 1:
         raise ValidationError(
@@ -445,6 +464,25 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
         bound = _closed_form_epsilon(history, float(delta))
         epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
     return epsilon
+
+
+def pure_epsilon(history: Sequence[tuple[PrivacyEvent, int]]) -> float:
+    """Epsilon at delta = 0: the sum over pure events (Laplace, (eps, 0) releases; basic composition, exact for pure
+    DP), infinite when any spending event has no pure guarantee (a Gaussian, a delta > 0)."""
+    total = 0.0
+    for event, count in history:
+        if not count or spends_nothing(event):
+            continue
+        factor = 1.0
+        if isinstance(event, ReplaceOneEvent):  # twice the sensitivity; group privacy for (eps, 0)
+            event, factor = event.event, 2.0
+        if isinstance(event, LaplaceEvent):
+            total += factor * count / event.noise_multiplier
+        elif isinstance(event, ApproxDPEvent) and event.delta == 0:
+            total += factor * count * event.epsilon
+        else:
+            return math.inf
+    return total
 
 
 def paper_mixture_epsilon(

@@ -92,13 +92,34 @@ class SampledWithoutReplacementGaussianEvent:
             )
 
 
+@dataclass(frozen=True)
+class ReplaceOneEvent:
+    """``event`` (a release analysed for add/remove neighbours) analysed for replace-one neighbours instead.
+
+    A replacement is one removal and one addition; ``dporl.privacy.relations`` gives the analysis (tight for the
+    Poisson-subsampled Gaussian and the mixture step, twice the sensitivity for Laplace, group privacy for an event
+    known only as (eps, delta)-DP). Recorded by runs whose neighbouring relation is replace-one, so that every
+    accountant, calibration and budget check of such a run analyses what its guarantee states.
+    """
+
+    event: Union[PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent)):
+            raise ValidationError("event", f"no replace-one conversion for {type(self.event).__name__}")
+        if isinstance(self.event, ApproxDPEvent) and self.event.replace_one:
+            raise ValidationError("event", "this event is already analysed for replace-one neighbours")
+
+
 PrivacyEvent = Union[
-    PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent
+    PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent,
+    ReplaceOneEvent,
 ]
 
 _EVENT_TYPES = {
     cls.__name__: cls
-    for cls in (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent)
+    for cls in (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent,
+                ReplaceOneEvent)
 }
 
 

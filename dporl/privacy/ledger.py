@@ -38,7 +38,14 @@ hash of their ids, never by the data) and each stage may name the cells it touch
 cell). Each unit lives in exactly one cell, so its privacy loss is the sequential composition of the stages that
 touch its cell (basic and joint PLD, as above), and the run's guarantee is the largest over cells: (max eps,
 max delta). Stages over the same cell, or over all units, compose sequentially. The report says which it applied.
-A run budget is then checked cell by cell. ``assume`` records a premise the guarantee rests on (printed with it).
+A run budget is then checked cell by cell. ``assume`` records a premise the guarantee rests on (printed with it);
+it is for premises true of the relation printed, never for one it contradicts.
+
+The neighbouring relation. ``PrivacyLedger(relation=...)`` fixes the relation the run's guarantee is for: add/remove
+one unit (the default) or replace one unit's data (the number of units is then public). A replace-one ledger refuses
+events analysed for add/remove only: mechanisms record ``relations.analysed_for(ledger.relation, event)``, so every
+stage epsilon, budget check, calibration against ``shared_budget`` and the joint PLD use the replace-one analysis.
+A stage budget may have delta 0 (a pure-DP stage such as the private count of the units).
 
 Write-ahead journal (``attach_journal``): with a journal attached, every change of the ledger's state (a stage
 opened, an event charged, a paper claim, a void) is handed to the journal BEFORE the call returns, so a mechanism
@@ -199,6 +206,9 @@ class PrivacyReport:
             return "neighbouring datasets: undefined (stages protect different units)"
         if self.unit.bounded_change:  # every record may move: no unit is added, removed or replaced
             return f"neighbouring datasets: {self.unit.meaning}"
+        if self.relation == Relation.REPLACE_ONE:
+            return (f"neighbouring datasets: replace one unit's data; the number of units is public, one unit = "
+                    f"{self.unit.meaning}")
         return f"neighbouring datasets: {self.relation or Relation.ADD_REMOVE}, one unit = {self.unit.meaning}"
 
     def describe(self) -> str:
@@ -293,7 +303,9 @@ class PrivacyReport:
 class PrivacyLedger:
     """Named stages composed into one run's guarantee: sequentially, or in parallel over the cells of a partition."""
 
-    def __init__(self, budget: Optional[tuple[float, float]] = None) -> None:
+    def __init__(self, budget: Optional[tuple[float, float]] = None, relation: Relation | str = Relation.ADD_REMOVE
+                 ) -> None:
+        self.relation = _check_relation(relation)
         self.stages: dict[str, Stage] = {}
         self.paper_claims: list[PaperClaim] = []
         self.void_reason: Optional[str] = None
@@ -355,8 +367,11 @@ class PrivacyLedger:
 
     def _merge(self, recovered: dict[str, Any]) -> None:
         """This ledger := ``recovered`` plus every stage, event and claim this ledger holds (budgets checked)."""
-        merged = PrivacyLedger(self.budget)
+        merged = PrivacyLedger(self.budget, self.relation)
         merged.load_state_dict(recovered)
+        if merged.relation != self.relation:
+            raise ValidationError("journal", f"the journal on disk is for {merged.relation} neighbours, this run's "
+                                  f"guarantee is for {self.relation}")
         if self.unit_partition is not None:
             merged.partition(self.unit_partition)  # a different partition on disk is refused
         for assumption in self.assumptions:
@@ -434,7 +449,7 @@ class PrivacyLedger:
             if len(budget) != 2:
                 raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
             eps = check_positive(f"ledger.{name}.budget.epsilon", budget[0])
-            bdelta = check_probability(f"ledger.{name}.budget.delta", budget[1], allow_zero=False, allow_one=False)
+            bdelta = check_probability(f"ledger.{name}.budget.delta", budget[1], allow_one=False)
             if delta is not None and delta != bdelta:
                 raise ValidationError(f"ledger.{name}.delta", "a budgeted stage reports at its budget's delta")
             budget, delta = (eps, bdelta), bdelta
@@ -546,6 +561,7 @@ class PrivacyLedger:
         """
         self._get(stage)
         count = check_count("count", count)
+        self._check_relation(stage, event)
         ahead = self._ahead.get((stage, event), 0)
         used = min(ahead, count)
         if used:
@@ -559,8 +575,16 @@ class PrivacyLedger:
         but never run stay charged: the ledger cannot know they did not leak.
         """
         count = check_count("count", count)
+        self._check_relation(stage, event)
         self._charge(stage, event, count)
         self._ahead[(stage, event)] = self._ahead.get((stage, event), 0) + count
+
+    def _check_relation(self, stage: str, event: PrivacyEvent) -> None:
+        if self.relation == Relation.REPLACE_ONE and not spends_nothing(event) and adjacency(event) != self.relation:
+            raise ValidationError(
+                f"ledger.{stage}", f"this run's guarantee is for replace-one neighbours and {event} is analysed for "
+                "add/remove only: record relations.analysed_for(ledger.relation, event)"
+            )
 
     def _charge(self, stage: str, event: PrivacyEvent, count: int) -> None:
         s = self._get(stage)
@@ -709,8 +733,9 @@ class PrivacyLedger:
         cells = None
         if self.unit_partition is not None and any(s.cells is not None for s in self.stages.values()):
             cells = [self._cell(name, stages, histories) for name in self.unit_partition.names]
+        relation = relations[0] if len(relations) == 1 else (self.relation if not relations else None)
         return PrivacyReport(
-            stages, basic, joint, joint_note, unit, relations[0] if len(relations) == 1 else None, notes,
+            stages, basic, joint, joint_note, unit, relation, notes,
             list(self.paper_claims), self.void_reason, self.unit_partition, cells,
         )
 
@@ -772,6 +797,7 @@ class PrivacyLedger:
             "budget": list(self.budget) if self.budget else None,
             "partition": None if self.unit_partition is None else self.unit_partition.to_dict(),
             "assumptions": list(self.assumptions),
+            "relation": self.relation.value,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -786,7 +812,7 @@ class PrivacyLedger:
             raise ValidationError("ledger", f"saved ledger state is malformed ({type(exc).__name__}: {exc})") from None
         self.stages, self.paper_claims, self.void_reason = restored.stages, restored.paper_claims, restored.void_reason
         self.unit_partition, self.assumptions = restored.unit_partition, restored.assumptions
-        self.budget = restored.budget
+        self.budget, self.relation = restored.budget, restored.relation
         self._ahead = {}
         self._write()
 
@@ -801,7 +827,7 @@ class PrivacyLedger:
             )
         # A ledger without a run budget of its own (e.g. one reading a journal) takes the saved one.
         budget = self.budget if self.budget is not None or saved_budget is None else saved_budget
-        restored = PrivacyLedger(budget)
+        restored = PrivacyLedger(budget, state.get("relation", Relation.ADD_REMOVE.value))
         if state.get("partition") is not None:
             restored.partition(UnitPartition.from_dict(state["partition"]))
         assumptions = state.get("assumptions", [])
@@ -838,6 +864,17 @@ class PrivacyLedger:
             raise ValidationError("ledger.void", f"must be a string or null, got {void!r}")
         restored.void_reason = void
         return restored
+
+
+def _check_relation(relation: Any) -> Relation:
+    try:
+        relation = Relation(relation)
+    except ValueError:
+        relation = None
+    if relation not in (Relation.ADD_REMOVE, Relation.REPLACE_ONE):
+        raise ValidationError("ledger.relation", f"expected {Relation.ADD_REMOVE.value!r} or "
+                              f"{Relation.REPLACE_ONE.value!r}")
+    return relation
 
 
 def _flag(value: Any) -> bool:

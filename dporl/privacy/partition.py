@@ -15,7 +15,8 @@ fitted on held-out units): for a unit in cell A the later stage is post-processi
 input (cell B's rows) is the same in both neighbouring datasets.
 
 The fraction of units in a cell is random (each unit lands independently), and how many units a cell holds is
-treated like any population size in dporl: public (see the README's assumptions).
+private under add/remove neighbours like any count of units: a run that needs it releases a noisy count per cell
+(``dporl.privacy.count``).
 """
 
 from __future__ import annotations

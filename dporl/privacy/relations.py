@@ -46,6 +46,7 @@ from dporl.privacy.events import (
     MixtureEvent,
     PoissonGaussianEvent,
     PrivacyEvent,
+    ReplaceOneEvent,
 )
 from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
@@ -59,6 +60,16 @@ CONVERSION = (
     "Poisson-subsampled Gaussian steps by dp_accounting's replace-one PLD (tight), Laplace at twice the "
     "sensitivity, (eps, delta)-only events by group privacy (2 eps, (1 + e^eps) delta)"
 )
+
+
+def analysed_for(relation: Relation | str, event: PrivacyEvent | None) -> PrivacyEvent | None:
+    """``event`` as a run whose neighbouring relation is ``relation`` records it: an add/remove event of a
+    replace-one run is wrapped in ``ReplaceOneEvent`` (analysed as the module docstring says); anything else, and
+    ``None`` (a step that releases nothing), is returned as is."""
+    relation = check_relation("relation", relation)
+    if event is None or relation != REPLACE_ONE or spends_nothing(event) or adjacency(event) == REPLACE_ONE:
+        return event
+    return ReplaceOneEvent(event)
 
 
 def relation_of(history: Sequence[tuple[PrivacyEvent, int]]) -> Relation:
@@ -110,7 +121,7 @@ def replace_one_pld(event: PrivacyEvent):
     )
 
 
-def _doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
+def doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
     """The same release with twice the sensitivity: what the closed-form fallback charges for a replacement."""
     if isinstance(event, MixtureEvent):
         event = event.event
@@ -136,7 +147,7 @@ def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float
         part = part.self_compose(count) if count > 1 else part
         composed = part if composed is None else composed.compose(part)
     epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
-    bound = _closed_form_epsilon([(_doubled_sensitivity(e), c) for e, c in counts.items()], delta)
+    bound = _closed_form_epsilon([(doubled_sensitivity(e), c) for e, c in counts.items()], delta)
     return bound if epsilon == 0.0 else min(epsilon, bound)
 
 
@@ -214,6 +225,7 @@ def calibrate_for_relation(
 
 __all__ = [
     "CONVERSION",
+    "analysed_for",
     "RELATIONS",
     "calibrate_for_relation",
     "check_relation",

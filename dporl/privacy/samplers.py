@@ -287,8 +287,10 @@ class PoissonUnitSource:
     Each of the ``n_units`` units is included independently with ``sample_rate`` (``poisson_subset``: geometric
     gaps, O(rate * n_units) per step). A sampled unit contributes ``rows_per_unit`` rows drawn uniformly with
     replacement from its own rows (None: all its rows), so its gradient is an average over its rows and never
-    mixes units. Units owning no rows still count in the population: the expected batch
-    ``sample_rate * n_units`` is a public constant.
+    mixes units. Units owning no rows still count in the population. DP-SGD divides the noisy sum by
+    ``expected_batch_size``: ``expected_batch`` when given (a public constant, e.g. the configured B when the rate
+    is B over a released estimate of the number of units), else ``sample_rate * n_units``, which is public only
+    where the number of units is (replace-one neighbours).
 
     ``unit_of_row`` is every row's unit (a tensor ``[n_rows]``) or the same as runs of rows (``UnitRuns``: one
     per episode for transitions). A column of ``data`` is a tensor or any object with ``shape``, ``to(device)``
@@ -305,9 +307,13 @@ class PoissonUnitSource:
         rows_per_unit: Optional[int] = None,
         *,
         unit: PrivacyUnit | str | None = None,
+        expected_batch: Optional[float] = None,
     ):
         n_rows = _check_rows(data)
         self.sample_rate = check_probability("sample_rate", sample_rate, allow_zero=False)
+        if expected_batch is not None and not (isinstance(expected_batch, (int, float)) and expected_batch > 0):
+            raise ValidationError("expected_batch", f"must be a positive number or None, got {expected_batch!r}")
+        self._expected_batch = None if expected_batch is None else float(expected_batch)
         if rows_per_unit is not None and rows_per_unit < 1:
             raise ValidationError("rows_per_unit", f"must be >= 1 or None, got {rows_per_unit}")
         self.data = dict(data)
@@ -323,6 +329,7 @@ class PoissonUnitSource:
         data: Mapping[str, torch.Tensor],
         sample_rate: float,
         rows_per_unit: Optional[int] = None,
+        expected_batch: Optional[float] = None,
     ) -> "PoissonUnitSource":
         """Rows grouped by the dataset's own unit: ``data`` holds one row per transition or one per episode
         (e.g. padded trajectories); every unit of the dataset counts in the population, rows or not."""
@@ -337,7 +344,8 @@ class PoissonUnitSource:
                 "data", f"{n_rows} rows: expected one per transition ({dataset.n_transitions}) or per episode "
                 f"({dataset.n_episodes})"
             )
-        return cls(data, unit_of_row, dataset.n_units, sample_rate, rows_per_unit, unit=dataset_unit(dataset))
+        return cls(data, unit_of_row, dataset.n_units, sample_rate, rows_per_unit, unit=dataset_unit(dataset),
+                   expected_batch=expected_batch)
 
     def to(self, device: torch.device | str) -> "PoissonUnitSource":
         """Keep the rows on ``device`` (sampling decisions stay on the CPU, drawn from the secret generator)."""
@@ -350,7 +358,7 @@ class PoissonUnitSource:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.n_units
+        return self.sample_rate * self.n_units if self._expected_batch is None else self._expected_batch
 
     def sample_units(self, generator: torch.Generator) -> torch.Tensor:
         """One step's Poisson sample of units (increasing ids), from ``generator`` alone."""

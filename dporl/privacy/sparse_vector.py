@@ -16,6 +16,14 @@ that the PLD composition of T (2 eps', beta) pairs (optimal composition of (eps,
 within (epsilon, delta) at the stage's delta. The search keeps a bracket [fits, does not fit] and narrows it by the
 Illinois variant of regula falsi (the composed epsilon is smooth and increasing in eps', so it converges in a few
 PLD evaluations where bisection needs ~20); the value returned is the bracket's verified-to-fit end.
+
+Replace-one neighbours (``relation``): replacing an expert is removing it and adding another, so each run is
+analysed by group privacy over the two steps, (4 eps', (1 + e^{2 eps'}) beta) (``relations.analysed_for``; the
+path D -> D + x' -> D' keeps every intermediate pool at least as large as D, so the precondition below still
+covers it). beta is then delta / (2 T (1 + e^{2 eps'})), so that the converted runs' deltas again total delta / 2.
+
+Precondition: m p_min >= G0 (``check_stability_precondition``), on the number of experts the caller can vouch for:
+the public count (replace-one), or a released lower bound of a private count (``dporl.privacy.count``).
 """
 
 from __future__ import annotations
@@ -23,8 +31,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Optional
+
 from dporl.privacy.accountants import check_count, epsilon_for
-from dporl.privacy.events import ApproxDPEvent
+from dporl.privacy.events import ApproxDPEvent, PrivacyEvent
+from dporl.privacy.relations import ADD_REMOVE, analysed_for, check_relation
+from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 # Relative precision of the eps' search (the last verified value is returned, so this only costs utility).
@@ -78,28 +90,41 @@ class StablePrefixBudget:
     noise_scale: float  # Laplace scale b of the threshold and of every query
     g0: float
     t_beta: float
-    event: ApproxDPEvent  # one run: (2 eps', beta)-DP, privacy unit: expert
+    event: PrivacyEvent  # one run: (2 eps', beta)-DP, privacy unit: expert (as the run's relation analyses it)
     trajectories: int  # T runs
     composed_epsilon: float  # PLD epsilon of the T runs at `delta` (<= the stage's epsilon)
     delta: float
 
 
 def stable_prefix_budget(
-    epsilon: float, delta: float, trajectories: int, p_min: float, n_experts: int, monotone: bool = True
+    epsilon: float, delta: float, trajectories: int, p_min: float, n_experts: Optional[float], monotone: bool = True,
+    relation: Relation | str = ADD_REMOVE,
 ) -> StablePrefixBudget:
-    """Largest per-run eps' for T = ``trajectories`` runs within the stage budget (epsilon, delta); see module."""
+    """Largest per-run eps' for T = ``trajectories`` runs within the stage budget (epsilon, delta); see module.
+
+    ``n_experts``: the count the precondition is checked on (None: the caller checks it later, e.g. on a count
+    released after this plan)."""
     check_positive("release.epsilon", epsilon)
     check_probability("release.delta", delta, allow_zero=False, allow_one=False)
     trajectories = check_count("release.trajectories", trajectories, minimum=1)
     check_probability("p_min", p_min, allow_zero=False, allow_one=False)
-    n_experts = check_count("n_experts", n_experts, minimum=1)
-    beta = delta / (2 * trajectories)
+    relation = check_relation("relation", relation)
+    if n_experts is not None:
+        check_positive("n_experts", n_experts)
+
+    def beta_of(eps_prime: float) -> float:
+        if relation == ADD_REMOVE:
+            return delta / (2 * trajectories)
+        return delta / (2 * trajectories * (1 + math.exp(2 * eps_prime)))
+
+    def event(eps_prime: float) -> PrivacyEvent:
+        return analysed_for(relation, ApproxDPEvent(2 * eps_prime, beta_of(eps_prime)))
 
     def composed(eps_prime: float) -> float:
-        return epsilon_for([(ApproxDPEvent(2 * eps_prime, beta), trajectories)], delta, "pld")
+        return epsilon_for([(event(eps_prime), trajectories)], delta, "pld")
 
     # Bracket: low fits, high does not. Basic composition (T x 2 eps' <= epsilon) always fits up to the PLD grid.
-    low = epsilon / (2 * trajectories) * 0.5
+    low = epsilon / (2 * trajectories) * (0.5 if relation == ADD_REMOVE else 0.25)  # replace-one: 4 eps' per run
     f_low = composed(low) - epsilon
     if f_low > 0:
         raise PrivacyBudgetError("release.epsilon", f"epsilon={epsilon} is too small to split over {trajectories} runs")
@@ -121,25 +146,34 @@ def stable_prefix_budget(
             high, f_high = middle, f_middle
             f_low, kept = (f_low / 2, -1) if kept == -1 else (f_low, -1)
     eps_prime = low
+    beta = beta_of(eps_prime)
 
     threshold = stable_prefix_threshold(eps_prime, beta, p_min, monotone)
-    if n_experts * p_min < threshold.g0:
-        raise PrivacyBudgetError(
-            "p_min",
-            f"n_experts * p_min = {n_experts} * {p_min:g} = {n_experts * p_min:.4g} < G0 = 1/(1 - exp(-eps')) = "
-            f"{threshold.g0:.4g} (eps' = {eps_prime:.4g} from epsilon={epsilon}, T={trajectories}): not even the first "
-            "action is stable and the release would not be private; use more experts, a larger p_min, a larger "
-            "release epsilon or fewer trajectories",
-        )
-    return StablePrefixBudget(
+    budget = StablePrefixBudget(
         epsilon_prime=eps_prime,
         beta=beta,
         threshold=threshold.threshold,
         noise_scale=threshold.noise_scale,
         g0=threshold.g0,
         t_beta=threshold.t_beta,
-        event=ApproxDPEvent(2 * eps_prime, beta),
+        event=event(eps_prime),
         trajectories=trajectories,
         composed_epsilon=composed(eps_prime),
         delta=delta,
     )
+    if n_experts is not None:
+        check_stability_precondition(budget, p_min, n_experts, "the number of experts")
+    return budget
+
+
+def check_stability_precondition(budget: StablePrefixBudget, p_min: float, n_experts: float, what: str) -> None:
+    """Refuse (``PrivacyBudgetError`` naming p_min) a release whose experts cannot make even the first action stable:
+    ``n_experts`` p_min < G0. ``what`` says in words which count ``n_experts`` is (it appears in the message)."""
+    if n_experts * p_min < budget.g0:
+        raise PrivacyBudgetError(
+            "p_min",
+            f"n_experts * p_min = {n_experts:g} * {p_min:g} = {n_experts * p_min:.4g} < G0 = 1/(1 - exp(-eps')) = "
+            f"{budget.g0:.4g} (eps' = {budget.epsilon_prime:.4g}, T={budget.trajectories}; n_experts: {what}): not "
+            "even the first action is stable and the release would not be private; use more experts, a larger "
+            "p_min, a larger release epsilon or fewer trajectories",
+        )

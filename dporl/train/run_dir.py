@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, get_args
 
 from dporl.privacy.ledger import PrivacyLedger
+from dporl.privacy.units import Relation
 from dporl.utils.io import atomic_write_json, read_json
 from dporl.utils.validation import ValidationError
 
@@ -273,9 +274,10 @@ class RunDirectory:
             atomic_write_json(self.provenance_path, provenance)
             self._recorded = provenance
 
-    def ledger(self, budget: Optional[tuple[float, float]] = None) -> PrivacyLedger:
+    def ledger(self, budget: Optional[tuple[float, float]] = None, relation: Relation | str = Relation.ADD_REMOVE
+               ) -> PrivacyLedger:
         """The run's ledger, journaled: recovered from an earlier attempt's journal, every change written ahead."""
-        return self.attach(PrivacyLedger(budget))
+        return self.attach(PrivacyLedger(budget, relation))
 
     def attach(self, ledger: PrivacyLedger) -> PrivacyLedger:
         """Make this run's journal the write-ahead log of ``ledger`` (what an earlier attempt authorised is charged

@@ -24,7 +24,8 @@ unit's gradient after clipping: reward-level Q-learning's clipped-TD semi-gradie
 ``on_step_end(step)`` (target-network updates and other post-processing). It never adds noise itself.
 
 Accounting: every step records the source's per-step event (a mixture event for Algorithm 3, whatever branch
-the step took), because the analysis is of the mechanism the sampler runs, not of the branch it happened to draw.
+the step took), because the analysis is of the mechanism the sampler runs, not of the branch it happened to draw;
+in a ledger for replace-one neighbours, that event analysed for replace-one (``relations.analysed_for``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
+from dporl.privacy.relations import analysed_for
 from dporl.privacy.units import as_unit
 from dporl.train.checkpoint import load_checkpoint, save_checkpoint
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
@@ -213,8 +215,12 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _plan_privacy(self) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
         """(noise multiplier, per-step event, total privacy-costing steps allowed)."""
-        return plan_privacy(self.dp, self.config.max_steps, self.source.step_event, ledger=self.ledger,
-                            stage=self.stage)
+        relation = self.ledger.relation  # a replace-one run records (and so calibrates) replace-one events
+
+        def step_event(sigma: float) -> Optional[PrivacyEvent]:
+            return analysed_for(relation, self.source.step_event(sigma))
+
+        return plan_privacy(self.dp, self.config.max_steps, step_event, ledger=self.ledger, stage=self.stage)
 
     def _open_stage(self) -> None:
         """The private stage of this run, in the ledger: budget, analysis and the privacy unit (the source's grouping

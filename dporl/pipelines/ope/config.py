@@ -121,6 +121,10 @@ class OPEConfig:
         check_probability("gamma", self.gamma, allow_one=False)
         check_positive("epsilon", self.epsilon)
         check_probability("delta", self.delta, allow_zero=False, allow_one=False)
+        if self.delta * min(self.m_values) >= 1:  # the unit is one trajectory; m is declared, hence public
+            raise ValidationError("delta", f"delta={self.delta:g} is not below 1/m for m = {min(self.m_values)} "
+                                  "trajectories (m_values): a guarantee at such a delta allows releasing a whole "
+                                  "trajectory; lower delta")
 
 
 def build_problem(config: OPEConfig):

@@ -2,7 +2,10 @@
 
 GPOPE (Xie, Thomas, Miklau 2019) runs through the shared Trainer: Poisson sampling over trajectories (add/remove
 events) or the paper's fixed-size sampling without replacement (replace-one events). Its schedule is N = epochs *
-m / B updates with sigma calibrated for N at the target budget, and the released estimate is the last iterate or an
+m / B updates with sigma calibrated for N at the target budget, where m is the experiment's DECLARED number of
+trajectories (``m_values``), never the size of the data handed in: under add/remove neighbours the data may hold one
+trajectory more or fewer, and the rate B / m, N, sigma and the normaliser B stay what the configuration says (the
+Poisson sampler runs over whatever trajectories are present), and the released estimate is the last iterate or an
 average of the iterates (post-processing). When the budget is for replace-one neighbours, Poisson-mode sigma is
 calibrated by the replace-one analysis of ``dporl.privacy.relations`` and the stage's add/remove budget is what the
 ledger's own analysis charges for those N steps.
@@ -69,10 +72,13 @@ class GPOPEPlan:
     steps: int
 
     def source(self, data: dict[str, torch.Tensor]):
-        units = torch.arange(self.m)
-        if self.mode == "poisson":
-            return PoissonUnitSource(data, units, self.m, sample_rate=min(1.0, self.batch / self.m))
-        return FixedSizeSource(data, units, self.m, sample_size=int(self.batch))
+        present = int(data["mask"].shape[0])  # the population the sampler runs over (inside the mechanism only)
+        units = torch.arange(present)
+        if self.mode == "poisson":  # rate and normaliser from the declared m: the same for D and D'
+            return PoissonUnitSource(data, units, present, sample_rate=min(1.0, self.batch / self.m),
+                                     expected_batch=self.batch)
+        # replace-one (paper mode): neighbours have the same size, so the population is public
+        return FixedSizeSource(data, units, present, sample_size=int(self.batch))
 
     def event(self, sigma: float):
         if self.mode == "poisson":
@@ -120,9 +126,10 @@ def run_gpope(
     config: OPEConfig, problem, data: dict, hyper: GPOPEHyper, run_dir: Path, root: SecretRoot, run_info: dict,
 ) -> dict[str, Any]:
     """One private GPOPE release through the Trainer; its metrics and its epsilon under both relations. ``root`` is
-    this release's own root (its sampler and noise are the streams "train/sampler" and "train/noise" of it)."""
+    this release's own root (its sampler and noise are the streams "train/sampler" and "train/noise" of it);
+    ``run_info["m"]`` the declared number of trajectories the schedule is planned for (module docstring)."""
     settings = config.gpope
-    m = int(data["mask"].shape[0])
+    m = int(run_info["m"])
     plan = make_plan(config, m, hyper.epochs)
     source = plan.source(data)
     sigma, budget = planned_noise(config, plan)
