@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_expert_cql import M, config, log_lqr_experts  # noqa: E402
 
 COLUMNS = dict(episode="episode", unit="clinician", observations="obs_", action="action", reward="reward",
-               terminated="terminated", truncated="truncated", next_observations="next_obs_")
+               terminated="terminated", truncated="truncated", next_observations="next_obs_", actions=2)
 torch.set_num_threads(1)
 
 
