@@ -17,7 +17,8 @@ here. A differing field no entry lists is unaccounted: the printed guarantee doe
 - ``mechanism``: the accounted stage or mechanism the field is an output of; ``why``: one line of reasoning;
 - ``needs``: conditions on the two releases themselves (both sides must meet them):
   ``"count"``: the unit count is accounted (``count_accounted``): the release's privacy report holds a stage named
-  ``unit_count`` (a private estimate of the number of units, charged to the budget) and no note assuming the number
+  ``unit_count`` (or ``unit_count`` per cell: ``evaluate0/unit_count``; a private estimate of the number of units,
+  charged to the budget) and no note assuming the number
   of units public, or the guarantee's relation is replace-one (the number of units is then public by definition).
   Fields computed from the number of units (sampling rates B / m, the noise calibrated for them, step counts,
   every epsilon digit, fold normalisers, and the weights and values those mechanisms release) are accounted only
@@ -197,12 +198,18 @@ def count_accounted(snap: Snapshot) -> bool:
         relation = str(fields.get("guarantee.relation", ""))
         if relation.startswith("replace"):
             continue
-        stages = {v for k, v in fields.items() if re.fullmatch(r"stages\[\d+\]\.name", k)}
+        stages = [v for k, v in fields.items() if re.fullmatch(r"stages\[\d+\]\.name", k)]
         notes = [k[len("notes{"):-1] for k in fields if k.startswith("notes{") and k.endswith("}")]
         assumed = any("number of units" in note and "public" in note for note in notes)
-        if COUNT_STAGE not in stages or assumed:
+        if not any(is_count_stage(name) for name in stages) or assumed:
             return False
     return True
+
+
+def is_count_stage(name: Any) -> bool:
+    """A ledger stage of the private unit count: named ``unit_count``, or ``unit_count`` per cell (``x/unit_count``,
+    ``unit_count/x``)."""
+    return isinstance(name, str) and COUNT_STAGE in name.split("/")
 
 
 def conditions(snap_d: Snapshot, snap_dp: Snapshot) -> dict[str, bool]:
@@ -236,8 +243,8 @@ def entry_for(difference: Difference, keys: Sequence[str], met: dict[str, bool],
                                        and _NUMBER.sub("#", values[0]) == _NUMBER.sub("#", values[1])):
             continue
         if entry.stage is not None:
-            names = {_stage_name(snap, difference.location, difference.field) for snap in (snap_d, snap_dp)}
-            if names != {entry.stage}:
+            names = [_stage_name(snap, difference.location, difference.field) for snap in (snap_d, snap_dp)]
+            if not all(is_count_stage(name) if entry.stage == COUNT_STAGE else name == entry.stage for name in names):
                 continue
         return entry
     return None

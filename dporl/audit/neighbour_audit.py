@@ -204,6 +204,9 @@ def claimed_guarantee(snap: Snapshot) -> tuple[float, float]:
     return max(epsilons), max(deltas)
 
 
+EVENTS_SLOT = "/events["
+
+
 def _scalar(value: Any) -> Optional[float]:
     """A field value as a score (numbers; NaN as +inf, a distinct outcome), or None if not a scalar number."""
     if isinstance(value, bool) or value is MISSING:
@@ -217,13 +220,17 @@ def _scalar(value: Any) -> Optional[float]:
 
 
 def scored_fields(accounted: Sequence[tuple[Difference, Accounted]], limit: int) -> list[tuple[str, str]]:
-    """Up to ``limit`` accounted (location, field) pairs whose two values are numbers, one per pair of values."""
-    chosen, seen = [], set()
+    """Up to ``limit`` accounted (location, field) pairs whose two values are numbers, one per pair of values, from
+    the released files (TensorBoard's scalars repeat them in float32) and one per field name across files."""
+    chosen, seen, names = [], set(), set()
     for difference, _ in accounted:
+        if EVENTS_SLOT in difference.location or difference.field in names:
+            continue
         a, b = _scalar(difference.value_d), _scalar(difference.value_dp)
         if a is None or b is None or (a, b) in seen:
             continue
         seen.add((a, b))
+        names.add(difference.field)
         chosen.append((difference.location, difference.field))
         if len(chosen) == limit:
             break

@@ -126,7 +126,7 @@ def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path]
     if data.get("generate") is not None:
         from dporl.pipelines.expert_cql import generate_dataset
 
-        dataset_path, expert_path = generate_dataset(data["generate"], base / "source")
+        dataset_path, expert_path = generate_dataset({**data["generate"], "progress": False}, base / "source")
     else:
         dataset_path = data.get("path") or data.get("dataset")
         expert_path = data.get("expert_set")

@@ -49,11 +49,17 @@ class Difference:
     value_dp: Any
 
     def describe(self, width: int = 80) -> str:
-        return f"{self.location} :: {self.field}: {short(self.value_d, width)} vs {short(self.value_dp, width)}"
+        a, b = self.value_d, self.value_dp
+        if isinstance(a, str) and isinstance(b, str) and max(len(a), len(b)) > width:
+            # Long texts: show where they first differ.
+            start = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            start = max(0, start - width // 4)
+            a, b = ("..." if start else "") + a[start:], ("..." if start else "") + b[start:]
+        return f"{self.location} :: {self.field}: {short(a, width)} vs {short(b, width)}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"location": self.location, "field": self.field, "value_d": short(self.value_d, 200),
-                "value_dp": short(self.value_dp, 200)}
+        return {"location": self.location, "field": self.field, "value_d": _plain(self.value_d),
+                "value_dp": _plain(self.value_dp)}
 
 
 Snapshot = dict[str, dict[str, Any]]
@@ -234,6 +240,15 @@ def compare_lines(lines_d: list[str], lines_dp: list[str], location: str = STDOU
             line = i1 + k if i1 + k < i2 else j1 + k
             out.append(Difference(location, f"line[{line}]", a, b))
     return out
+
+
+def _plain(value: Any, width: int = 200) -> Any:
+    """A JSON value for reports: numbers and short strings as they are, anything else described by ``short``."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str) and len(value) <= width:
+        return value
+    return short(value, width)
 
 
 def short(value: Any, width: int = 80) -> str:
