@@ -14,7 +14,6 @@ turns into a failure of this file (strict) once the leak is fixed, so that its m
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Callable
 

@@ -157,7 +157,7 @@ def _entries() -> tuple[Accounted, ...]:
           numbers_only=True),
         A(COUNTED, EVENTS, "scalar train/lr @ *", _PRIVACY,
           "the public learning-rate schedule, logged at steps whose number is " + _COUNT_WHY, (COUNT,)),
-        A(CQL + COUNTED + FNQ, EVENTS, "records", "the scalars logged (all listed)",
+        A(("expert_cql/*", "ope/gpope", "fnq/*"), EVENTS, "records", "the scalars logged (all listed)",
           "which (tag, step) records exist: non-finite released values are skipped; step counts are listed"),
         A(COUNTED, "stdout", "*", _PRIVACY, "the run's summary scalars: " + _COUNT_WHY, (COUNT,),
           value=r"^(noise_multiplier|steps): ", numbers_only=True),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import os
 import subprocess
@@ -31,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import yaml
 
@@ -142,18 +143,17 @@ def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path]
     else:
         raise ValidationError("relation", "expert_cql protects units: use remove or replace")
     for side, (side_data, side_experts) in pairs.items():
-        directory = dirs[side] / DATA_DIR
         if side_experts is not None:
-            side_experts.save(directory / "experts.pt")
-            side_experts._path = f"{DATA_DIR}/experts.pt"  # the reference the side's metadata records
+            # Saved from the side's directory: the set records the same relative path on both sides, and so does
+            # the dataset's reference to it.
+            with working_directory(dirs[side]):
+                side_experts.save(Path(DATA_DIR) / "experts.pt")
+                reference = side_experts.reference()
         if side_data is None:
             side_data = neighbours.without_unit(dataset, pair.unit, side_experts)
         elif side_experts is not None:
-            import dataclasses
-
-            side_data = side_data.replace(metadata=dataclasses.replace(side_data.metadata,
-                                                                       expert_set=side_experts.reference()))
-        side_data.save(directory / "data.npz")
+            side_data = side_data.replace(metadata=dataclasses.replace(side_data.metadata, expert_set=reference))
+        side_data.save(dirs[side] / DATA_DIR / "data.npz")
     data = {"path": f"{DATA_DIR}/data.npz", **({"expert_set": f"{DATA_DIR}/experts.pt"} if experts else {})}
     return {**config, "data": data}
 

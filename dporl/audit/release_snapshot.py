@@ -25,6 +25,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -265,8 +266,6 @@ def short(value: Any, width: int = 80) -> str:
 
 
 def _natural(name: str) -> tuple:
-    import re
-
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 
 
