@@ -211,10 +211,15 @@ def test_every_released_difference_is_accounted(case, fixtures, tmp_path):
     pair = PIPELINE_CASES[case][0](fixtures)
     check = check_pair(pair, tmp_path, noise_seed=SEED)
     d, dp = check.sides["D"].snapshot, check.sides["D'"].snapshot
-    # Not vacuous: either D released and D' differs somewhere (the data changed an accounted output, at least), or
-    # both sides refused alike before releasing anything (a refusal that names a public field, not the unit).
+    # Not vacuous: the two sides' inputs differ, and D released files (or both refused alike, before releasing
+    # anything: a refusal that names a public field, not the unit). A release may legitimately not move at all:
+    # GPOPE's release/ holds no estimate, and a held-out unit whose importance weights are 0 adds nothing to DP-WIS.
+    inputs = {side: {p.relative_to(run.run_dir.parent): p.read_bytes() for p in
+                     sorted((run.run_dir.parent / "data").rglob("*")) if p.is_file()}
+              for side, run in check.sides.items()}
+    assert inputs["D"] != inputs["D'"] or not inputs["D"], "D' was not built: its inputs equal D's"
     refused_alike = d["outcome"] == dp["outcome"] and d["outcome"]["status"] != "ok"
-    assert refused_alike or (d["outcome"]["status"] == "ok" and check.differences), (d["outcome"], dp["outcome"])
+    assert refused_alike or (d["outcome"]["status"] == "ok" and d["files"]), (d["outcome"], dp["outcome"])
     assert check.classified.clean, check.describe()
 
 
