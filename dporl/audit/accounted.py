@@ -144,8 +144,8 @@ def _entries() -> tuple[Accounted, ...]:
         A(CQL + ("ope/*",), RELEASED_JSON, "*unit_count*", _COUNT, "the released estimate of the number of units"),
         A(CQL + ("ope/*",), RELEASED_JSON, "*stages[*]*", _COUNT, "the count stage's record: its released estimate",
           stage=COUNT_STAGE),
-        A(CQL + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed", value=r"(?i)unit count",
-          numbers_only=True),
+        A(CQL + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed",
+          value=r"(?i)(unit count|unit_count|count of the units)", numbers_only=True),
         *[A(COUNTED, RELEASED_JSON, pattern, _PRIVACY, _COUNT_WHY, (COUNT,)) for pattern in (
             "*epsilon*", "*privacy/stage/*", "*sample_rate", "*noise_multiplier", "*basic_composition*",
             "*joint_pld*", "*events[*][1]", "steps", "budget_steps", "eval_history[*][0]",
