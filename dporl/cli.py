@@ -3,7 +3,7 @@
     dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
-    dporl audit (--all | --mechanism NAME | --config C | --list) [--trials N] ...   (``python -m dporl.audit``)
+    dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
     dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL
                             --actions N|LABELS ...] [--json]
     dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]

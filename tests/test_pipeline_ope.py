@@ -96,9 +96,9 @@ def test_tuning_grid_is_public_and_not_degenerate(tmp_path):
     assert len(tuned["tuning_scores"]) == 8 and all(math.isfinite(p["score"]) for p in tuned["tuning_scores"])
     assert (tmp_path / "run" / "curator" / "step_size_sensitivity.png").exists()
     problem = chain_problem(config.chain, config.gamma)
-    from dporl.pipelines.ope import _generator
+    from dporl.pipelines.ope import PUBLIC_DRAW, data_generator
 
-    public = padded_data(problem.sample(40, _generator(config.seed, 40, -1)))
+    public = padded_data(problem.sample(40, data_generator(config.seed, 40, PUBLIC_DRAW)))
     norms = public_gradient_norms(problem, public, config.gamma)
     assert len(norms) == 80  # 40 trajectories at theta = 0 and at the public LSTD solution
     quantiles = {q: float(torch.quantile(norms.double(), q)) for q in (0.5, 0.9)}

@@ -3,11 +3,20 @@
     python -m dporl.audit --mechanism dpsgd_step --trials 20000 [--power] [noise_multiplier=2 sample_rate=0.1]
     python -m dporl.audit --config configs/expert_cql_cartpole.yaml --trials 20000 [--target 0] [--out a.json] [key=value]
     python -m dporl.audit --all --trials 20000 [--power]
-    python -m dporl.audit --list
+    python -m dporl.audit --neighbours configs/expert_cql_quickstart.yaml [--unit 0] [--trials 20] [--power] [key=value]
+    python -m dporl.audit --list | --accounted
 
-With --mechanism, ``key=value`` sets the audit's settings; with --config, it overrides the config (as train.py).
+With --mechanism, ``key=value`` sets the audit's settings; with --config / --neighbours, it overrides the config.
 Every result prints eps_lb (a lower bound holding with the stated confidence) beside the claimed epsilon;
 --out writes them all as one JSON file (atomically). The exit status is 1 if any claim is violated.
+
+--neighbours runs the config's pipeline end to end on a FIXED pair: D (the config's data) and D' = D minus unit
+``--unit`` with all its data (``--relation replace``: its data replaced by unit ``--donor``'s; ``reward``: fnq's
+rewards changed by ``--change``), each in its own directory under ``--work`` (default: a temporary directory). Every
+released field that differs at a fixed noise seed and is not an output of an accounted mechanism
+(``--accounted`` lists the registry) is a distinguisher: eps_lb = inf. The accounted scalar fields are then scored
+over ``--trials`` runs per side with fresh noise seeds (default 20: each trial is a whole run). --power adds the
+exact number of units to what the run prints: the audit must name it.
 """
 
 from __future__ import annotations
@@ -42,8 +51,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
     what.add_argument("--mechanism", choices=sorted(AUDITS), help="a built-in audit")
     what.add_argument("--config", help="a pipeline YAML (expert_cql, ope): audit what it would release")
     what.add_argument("--all", action="store_true", help="every built-in audit at its default settings")
+    what.add_argument("--neighbours", metavar="CONFIG",
+                      help="a pipeline YAML: run it on D and D minus one unit, score everything it releases")
     what.add_argument("--list", action="store_true", help="list the built-in audits and their power settings")
-    parser.add_argument("--trials", type=int, default=20_000, help="trials per neighbour (default 20000)")
+    what.add_argument("--accounted", action="store_true",
+                      help="print the registry of released fields that accounted mechanisms output")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="trials per neighbour (default 20000; --neighbours: 20 whole runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--power", action="store_true", help="break the mechanism on purpose: the audit must object")
@@ -51,6 +65,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
     parser.add_argument("--p-min", type=float, default=None, help="--config: p_min, if not read from the data")
     parser.add_argument("--target", type=int, default=0,
                         help="--config: the expert the stable-prefix audit removes from the config's data (D' = D minus it)")
+    parser.add_argument("--relation", choices=("remove", "replace", "reward"), default="remove",
+                        help="--neighbours: how D' differs from D (default: one unit removed)")
+    parser.add_argument("--unit", type=int, default=0, help="--neighbours: the unit (index) removed or replaced")
+    parser.add_argument("--unit-key", default=None, help="--neighbours, tables: the unit column's value instead")
+    parser.add_argument("--donor", type=int, default=1, help="--neighbours --relation replace: the donor unit")
+    parser.add_argument("--change", type=float, default=1.0, help="--neighbours --relation reward: the change")
+    parser.add_argument("--via", choices=("process", "cli"), default="process",
+                        help="--neighbours: run the pipeline in this process or as `dporl train` in a subprocess")
+    parser.add_argument("--work", default=None, help="--neighbours: directory for the inputs and runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("overrides", nargs="*", help="key=value")
@@ -59,7 +82,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
     if args.list:
         for name in sorted(AUDITS):
             print(f"{name:22s} power: {POWER_SETTINGS[name]}")
+        print(f"{'--neighbours CONFIG':22s} power: the run also prints its exact number of units")
         return 0
+    if args.accounted:
+        from dporl.audit.accounted import registry_table
+
+        print(registry_table())
+        return 0
+    if args.neighbours:
+        return _neighbours(args)
+    args.trials = 20_000 if args.trials is None else args.trials
     try:
         if args.config:
             if args.power:
@@ -83,6 +115,34 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
         atomic_write_json(args.out, {"power_variant": args.power, "results": [r.to_dict() for r in results]})
         print(f"wrote {args.out}")
     return 1 if any(r.violated for r in results) else 0
+
+
+def _neighbours(args: argparse.Namespace) -> int:
+    """--neighbours: the end-to-end audit of a config on a fixed neighbouring pair."""
+    import tempfile
+    from pathlib import Path
+
+    from dporl.audit.neighbour_audit import audit_pair
+    from dporl.audit.neighbour_runs import NeighbourPair
+
+    try:
+        config = apply_overrides(load_yaml(args.neighbours), args.overrides)
+        pair = NeighbourPair(config, relation=args.relation, unit=args.unit, unit_key=args.unit_key,
+                             donor=args.donor, change=args.change, via=args.via)
+        trials = 20 if args.trials is None else args.trials
+        with tempfile.TemporaryDirectory(prefix="dporl_neighbours_") as tmp:
+            work = Path(args.work) if args.work else Path(tmp)
+            result = audit_pair(pair, work, trials=trials, seed=args.seed, confidence=args.confidence,
+                                leak=args.power, name=f"neighbours {Path(args.neighbours).name}",
+                                progress=not args.no_progress)
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(result.describe())
+    if args.out:
+        atomic_write_json(args.out, {"power_variant": args.power, "results": [result.to_dict()]})
+        print(f"wrote {args.out}")
+    return 1 if result.violated else 0
 
 
 if __name__ == "__main__":

@@ -75,23 +75,14 @@ class FixedNeighbours:
 
 def neighbours_of(data, experts, target: int) -> FixedNeighbours:
     """The fixed pair (D, D minus expert ``target``) of a dataset and the expert set that logged it."""
-    from dporl.data.dataset import TrajectoryDataset
+    from dporl.audit.neighbours import experts_without, without_unit
 
     m = experts.n_experts
     if not 0 <= target < m:
         raise ValidationError("target", f"must be an expert index in [0, {m}), got {target}")
-    others = torch.tensor([i for i in range(m) if i != target])
-    experts_without = experts.select(others)
-    subset = data.subset(np.flatnonzero(data.expert_ids != target))
-    meta = dataclasses.replace(data.metadata, n_experts=m - 1, expert_set=experts_without.reference())
-    data_without = TrajectoryDataset(
-        observations=subset.observations, actions=subset.actions, rewards=subset.rewards,
-        terminations=subset.terminations, truncations=subset.truncations, episode_lengths=subset.episode_lengths,
-        expert_ids=subset.expert_ids - (subset.expert_ids > target), behavior_log_probs=subset.behavior_log_probs,
-        metadata=meta,
-    )
+    others = experts_without(experts, target)
     rows = data.subset(np.flatnonzero(data.expert_ids == target)).observations
-    return FixedNeighbours(experts, data, target, experts_without, data_without, _row_keys(rows))
+    return FixedNeighbours(experts, data, target, others, without_unit(data, target, others), _row_keys(rows))
 
 
 @functools.lru_cache(maxsize=8)

@@ -44,9 +44,13 @@ from dporl.utils.io import atomic_write_json
 from dporl.utils.validation import ValidationError
 
 
-def _generator(*keys: int) -> torch.Generator:
-    """Public randomness (problem data): an ordinary seeded generator."""
-    return torch.Generator().manual_seed(hash(tuple(keys)) % 2**62)
+PUBLIC_DRAW = -1  # the draw key of each m's public tuning dataset (trials draw keys 0, 1, ...)
+
+
+def data_generator(seed: int, m: int, key: int) -> torch.Generator:
+    """The generator of one data draw (the problem's sampling: an ordinary seeded generator). Draw ``PUBLIC_DRAW``
+    is each m's public tuning dataset, the others the private datasets of the trials."""
+    return torch.Generator().manual_seed(hash((seed, m, key)) % 2**62)
 
 
 def reference_methods(problem) -> list[tuple[str, str]]:
@@ -57,14 +61,16 @@ def reference_methods(problem) -> list[tuple[str, str]]:
     return [(f"{name} (non-private, {WEIGHTING_LABELS[w].split(' (')[0]})", w) for w in problem.weightings]
 
 
-def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
+def run(config: OPEConfig, mode: RunMode = "new", problem=None) -> dict[str, Any]:
+    """Every (m, trial) of ``config``; ``problem`` replaces ``build_problem(config)`` (e.g. an audit's problem whose
+    private draws are a neighbour's); tables and plots go to curator/, each GPOPE release to its own run directory."""
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
     started = time.perf_counter()
     run_dir = Path(config.run_dir)
     directory = RunDirectory(run_dir, pipeline="ope", config=to_dict(config), mode=mode)
-    problem = build_problem(config)
+    problem = build_problem(config) if problem is None else problem
     # One secret root per invocation (noise_seed, else 256 bits of the OS CSPRNG): every private draw is a named
     # stream of it (a child root per GPOPE release, one noise stream per output perturbation).
     root = SecretRoot(config.noise_seed)
@@ -80,14 +86,14 @@ def run(config: OPEConfig, mode: RunMode = "new") -> dict[str, Any]:
                     dynamic_ncols=True)
     def draw(m: int, key: int) -> dict:
         clock = time.perf_counter()
-        data = padded_data(problem.sample(m, _generator(config.seed, m, key)))
+        data = padded_data(problem.sample(m, data_generator(config.seed, m, key)))
         timings[f"m={m} data"] = timings.get(f"m={m} data", 0.0) + time.perf_counter() - clock
         return data
 
     for m in config.m_values:
         clock = time.perf_counter()
         # Hyper-parameters come from an independent public dataset of the same size (never the private one).
-        public = draw(m, -1)
+        public = draw(m, PUBLIC_DRAW)
         hyper, scores = tune_gpope(config, problem, public, m, run_dir / f"m{m}" / "tuning", progress)
         lambda_scale = tune_lsl_lambda(config, problem, public, m) if "dp_lsl" in op_methods else 0.0
         plan = make_plan(config, m, hyper.epochs)
