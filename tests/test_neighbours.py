@@ -8,8 +8,7 @@ replaced (the ope pipeline's GPOPE by its relation; DP-LSW / DP-LSL are replace-
 1 (fnq and its private baselines, reward level). Runs are tiny (tens of steps): what is compared is what is released,
 not how good it is.
 
-Cases that release an unaccounted difference today are marked ``xfail(strict=True)`` with the leak they show; each
-turns into a failure of this file (strict) once the leak is fixed, so that its mark is removed with the fix.
+Each case names the leak it guards against (what an unaccounted difference looked like before the fix).
 """
 
 from __future__ import annotations
@@ -139,15 +138,15 @@ FNQ_LEAK = ("a reward outside the declared reward_range stops D' with an error (
             "(computed from the protected rewards) is printed on stdout")
 
 
-def _xfail(reason: str):
-    """Expected to fail by its assertion (an unaccounted difference), never by an error of the harness."""
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
-
-
+# case name -> (its neighbour pair, the leak it guards against)
 PIPELINE_CASES: dict[str, tuple[Callable[..., NeighbourPair], str]] = {
     "expert_cql/mixed": (lambda f: NeighbourPair(quickstart(f["expert_data"]), unit=7), f"{COUNT_LEAK}; {TB_LEAK}"),
     "expert_cql/dp_sgd": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=dp_sgd"), unit=7),
                           f"{COUNT_LEAK}; {TB_LEAK}"),
+    "expert_cql/dp_sgd replace-one": (
+        lambda f: NeighbourPair(quickstart(f["expert_data"], "method=dp_sgd", "relation=replace_one"),
+                                relation="replace", unit=7, donor=8),
+        "under replace-one the number of units is public; every other difference must be the mechanisms'"),
     "expert_cql/stable_only": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=stable_only"), unit=7),
                                TB_LEAK),
     "quickstart via dporl train (subprocess)": (
@@ -205,8 +204,7 @@ def fixtures(request) -> dict[str, Any]:
     return Lazy()
 
 
-@pytest.mark.parametrize("case", [pytest.param(name, marks=_xfail(reason)) if reason else name
-                                  for name, (_, reason) in PIPELINE_CASES.items()])
+@pytest.mark.parametrize("case", list(PIPELINE_CASES))
 def test_every_released_difference_is_accounted(case, fixtures, tmp_path):
     pair = PIPELINE_CASES[case][0](fixtures)
     check = check_pair(pair, tmp_path, noise_seed=SEED)
@@ -293,8 +291,6 @@ def _importance_sampling(dataset, seed: int) -> dict[str, Any]:
     return result.to_dict()
 
 
-@_xfail("DP-WIS's calibrated flag and its caveat note say whether the target is deterministic on the LOGGED "
-        "observations: the canary clinician's one odd observation flips them")
 def test_dp_importance_sampling_flags_do_not_depend_on_one_unit(tmp_path):
     from dporl.audit.neighbours import without_unit
     from dporl.pipelines.inputs import DataConfig, import_dataset
