@@ -119,6 +119,7 @@ def child(kind: str, path: str, mmap: bool) -> dict:
 
     torch.set_num_threads(1)
     from dporl.algos.expert_sources import expert_source
+    from dporl.privacy.count import WHOLE, Units
     from dporl.data import TrajectoryDataset
 
     baseline = _maxrss()
@@ -133,8 +134,8 @@ def child(kind: str, path: str, mmap: bool) -> dict:
         dataset = TrajectoryDataset.load(path, mmap=True) if mmap else TrajectoryDataset.load(path)
         out["load"] = time.perf_counter() - start
         start = time.perf_counter()
-        source = expert_source(dataset, dataset.metadata.n_experts, min(BATCH, dataset.metadata.n_experts / 2),
-                               ROWS_PER_EXPERT)
+        m = dataset.metadata.n_experts
+        source = expert_source(dataset, min(BATCH, m / 2), ROWS_PER_EXPERT, Units.public({WHOLE: m}))
         out["source"] = time.perf_counter() - start
         generator = torch.Generator().manual_seed(0)
         start = time.perf_counter()

@@ -19,6 +19,7 @@ import dporl.data.dataset as dataset_module
 from dporl.algos.expert_sources import CQL_KEYS, expert_source, stable_source
 from dporl.data import DatasetMetadata, TrajectoryDataset
 from dporl.privacy.samplers import PoissonUnitSource
+from dporl.privacy.count import WHOLE, Units
 from dporl.privacy.units import dataset_unit
 from dporl.utils.grouping import stable_group_order
 from dporl.utils.validation import ValidationError
@@ -97,6 +98,9 @@ def test_transition_columns_gather_what_transitions_copies(dataset, data):
         assert torch.equal(column.index_select(0, torch.arange(n)), torch.from_numpy(values)), key
 
 
+NINE = Units.public({WHOLE: 9})  # the test datasets' 9 units, exact (replace-one: the count is public)
+
+
 def _copying_source(dataset, batch_size, rows_per_expert):
     """The expert source as it was built before shared columns: every column copied by ``transitions()`` and a
     per-transition expert id (reference)."""
@@ -112,7 +116,7 @@ def test_expert_source_batches_equal_the_copying_path(rows_per_expert, sort_by_e
     dataset = _dataset(seed=2 + rows_per_expert)
     if sort_by_expert:
         dataset = dataset.subset(np.argsort(dataset.expert_ids, kind="stable"))
-    shared, copied = expert_source(dataset, 9, 4.0, rows_per_expert), _copying_source(dataset, 4.0, rows_per_expert)
+    shared, copied = expert_source(dataset, 4.0, rows_per_expert, NINE), _copying_source(dataset, 4.0, rows_per_expert)
     assert torch.equal(shared.index.counts, copied.index.counts)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     for _ in range(25):
@@ -143,7 +147,7 @@ def test_shared_columns_leave_the_dataset_untouched_and_copy_nothing():
     assert torch.equal(columns["obs"].index_select(0, rows), torch.from_numpy(t.obs[[0, 5, 2]]))
     rows[1] = 7  # the same tensor changed in place: the cached episode lookup must not be reused
     assert torch.equal(columns["next_obs"].index_select(0, rows), torch.from_numpy(t.next_obs[[0, 7, 2]]))
-    batch = expert_source(dataset, 9, 4.0, 2).sample(torch.Generator().manual_seed(0))
+    batch = expert_source(dataset, 4.0, 2, NINE).sample(torch.Generator().manual_seed(0))
     batch.data["obs"].add_(1.0)  # a batch is a fresh gather: writing into it cannot reach the dataset
     assert dataset.fingerprint() == before == _dataset(seed=5).fingerprint()
 
@@ -187,7 +191,7 @@ def test_mapped_load_equals_read_load_and_trains_the_same(tmp_path, seed):
         assert not _is_mapped(getattr(read, name)), name
         assert not getattr(mapped, name).flags.writeable
     g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-    on_disk, in_memory = expert_source(mapped, 9, 3.0, 2), expert_source(read, 9, 3.0, 2)
+    on_disk, in_memory = expert_source(mapped, 3.0, 2, NINE), expert_source(read, 3.0, 2, NINE)
     for _ in range(10):
         a, b = on_disk.sample(g1), in_memory.sample(g2)
         for key in CQL_KEYS:
