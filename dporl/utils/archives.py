@@ -69,12 +69,8 @@ def _check_members(path: Path, field: str, infos: list[zipfile.ZipInfo]) -> int:
 
 
 def check_zip(path: str | os.PathLike, field: str) -> None:
-    """Bound a zip-based file (a torch file) before a library reads it: ratios and total size (module docstring).
-
-    A file that is not a zip is left to its reader (torch's legacy format refuses it under ``weights_only``)."""
+    """Bound a zip-based file (a torch file) before a library reads it: ratios and total size (module docstring)."""
     path = Path(path)
-    if not zipfile.is_zipfile(path):
-        return
     with _open_zip(path, field) as archive:
         _check_members(path, field, archive.infolist())
 

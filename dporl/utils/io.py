@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -125,6 +126,9 @@ def load_weights(path: str | os.PathLike, field: str, map_location: Any = "cpu")
     path = Path(path)
     if not path.is_file():
         raise ValidationError(field, f"file not found: {path}")
+    if not zipfile.is_zipfile(path):  # the legacy format sizes its storages from the pickle, unchecked
+        raise ValidationError(field, f"{path} is not a readable weights-only torch file (not the zip format dporl "
+                              "writes)")
     check_zip(path, field)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
