@@ -29,7 +29,7 @@ import functools
 import math
 import warnings
 from collections import Counter, OrderedDict
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -410,6 +410,22 @@ _COMPOSED_PLDS: "OrderedDict[tuple, Any]" = OrderedDict()
 _COMPOSED_CACHE_SIZE = 16
 
 
+def compose_sized(counted: Iterable[tuple[PrivacyEvent, int]], pld_of: Callable[[PrivacyEvent], Any], what: str = ""):
+    """``count`` self-compositions of ``pld_of(event)`` for every (event, count), composed; each result grid sized
+    (``check_grid``) before dp_accounting builds it. None for no events."""
+    result = None
+    for event, count in counted:
+        part = pld_of(event)
+        if count > 1:
+            check_grid(f"{count} x {event}{what}", composed_points(part, count))
+            part = part.self_compose(count)
+        if result is not None:
+            check_grid("the composed history", max(result._pmf_remove.size + part._pmf_remove.size,
+                                                   result._pmf_add.size + part._pmf_add.size))
+        result = part if result is None else result.compose(part)
+    return result
+
+
 def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
     """PLD of a whole history (order does not matter: composition commutes); None when nothing was spent."""
     counts: Counter = Counter()
@@ -420,18 +436,10 @@ def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
     if key in _COMPOSED_PLDS:
         _COMPOSED_PLDS.move_to_end(key)
         return _COMPOSED_PLDS[key]
-    result = None
     for event, count in key:
         if count > 1:  # predicted before the event's fine grid is built
             check_grid(f"{count} x {event}", predicted_composed_points(event, count))
-        part = event_pld(event)
-        if count > 1:
-            check_grid(f"{count} x {event}", composed_points(part, count))
-            part = part.self_compose(count)
-        if result is not None:
-            check_grid("the composed history", max(result._pmf_remove.size + part._pmf_remove.size,
-                                                   result._pmf_add.size + part._pmf_add.size))
-        result = part if result is None else result.compose(part)
+    result = compose_sized(key, event_pld)
     _COMPOSED_PLDS[key] = result
     if len(_COMPOSED_PLDS) > _COMPOSED_CACHE_SIZE:
         _COMPOSED_PLDS.popitem(last=False)

@@ -39,7 +39,7 @@ from dporl.privacy.accountants import (
     check_count,
     check_delta,
     check_grid,
-    composed_points,
+    compose_sized,
     epsilon_for,
     pld_grid_points,
     spends_nothing,
@@ -138,16 +138,7 @@ def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float
         return 0.0
     bound = _closed_form_epsilon([(_doubled_sensitivity(e), c) for e, c in counts.items()], delta)
     try:
-        composed = None
-        for event, count in counts.items():
-            part = replace_one_pld(event)
-            if count > 1:
-                check_grid(f"{count} x {event} (replace-one)", composed_points(part, count))
-                part = part.self_compose(count)
-            if composed is not None:
-                check_grid("the composed history", max(composed._pmf_remove.size + part._pmf_remove.size,
-                                                       composed._pmf_add.size + part._pmf_add.size))
-            composed = part if composed is None else composed.compose(part)
+        composed = compose_sized(counts.items(), replace_one_pld, " (replace-one)")
     except AnalysisTooLarge:  # a grid too large to build (tiny noise): the closed-form bound answers
         return bound
     epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
