@@ -296,11 +296,21 @@ def test_a_torch_zip_bomb_is_refused_before_torch_inflates_it(tmp_path):
     assert int(grown) < 32 * MIB, grown
 
 
-def test_a_gzip_table_bomb_is_refused_while_streaming_it(tmp_path):
+TABLE_FLAGS = ["--episode", "episode", "--unit", "unit", "--observations", "obs_", "--action", "action", "--reward",
+               "reward"]
+
+
+def _inspect(path: Path, capsys) -> tuple[int, str]:
+    """``dporl data inspect PATH`` in this process: (exit status, stderr)."""
+    from dporl.cli import main
+
+    status = main(["data", "inspect", str(path), *TABLE_FLAGS])
+    return status, capsys.readouterr().err
+
+
+def test_a_gzip_table_bomb_is_refused_while_streaming_it(tmp_path, capsys):
     import pandas  # noqa: F401  (imported before measuring: an import's allocations are not the bomb's)
     from pyarrow import csv  # noqa: F401
-
-    from dporl.data.table import read_table
 
     path = tmp_path / "bomb.csv.gz"
     with gzip.open(path, "wb", compresslevel=9) as handle:
@@ -308,32 +318,30 @@ def test_a_gzip_table_bomb_is_refused_while_streaming_it(tmp_path):
         row = b"0,0,0,0,0\n" * (MIB // 10)
         for _ in range(64):
             handle.write(row)
-    error, peak = _peak_allocation(
-        lambda: read_table(path, episode="episode", unit="unit", observations="obs_", action="action",
-                           reward="reward", progress=False))
-    assert isinstance(error, ValidationError) and error.field == "source" and "inflates" in str(error), error
+    _inspect(tmp_path / "missing.csv", capsys)  # the command's own imports, outside the measurement
+    outcome = {}
+    error, peak = _peak_allocation(lambda: outcome.update(zip(("status", "err"), _inspect(path, capsys))))
+    assert error is None and outcome["status"] == 2, outcome
+    assert "error: source" in outcome["err"] and "inflates" in outcome["err"], outcome["err"]
     assert peak < ALLOCATION_BOUND, peak
 
 
-def test_a_parquet_file_is_sized_from_its_footer_before_it_is_read(tmp_path, monkeypatch):
+def test_a_parquet_file_is_sized_from_its_footer_before_it_is_read(tmp_path, monkeypatch, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dporl.data import table
     from dporl.utils import archives
 
     pq.write_table(pa.table({"episode": np.arange(50_000), "unit": np.arange(50_000), "obs_0": np.zeros(50_000),
                              "action": np.zeros(50_000, np.int64), "reward": np.zeros(50_000)}), tmp_path / "t.parquet")
-    monkeypatch.setattr(archives, "load_budget_bytes", lambda: 1 * MIB)  # 5 columns x 50k rows x 8 bytes = 2 MB
+    monkeypatch.setattr(archives, "load_budget_bytes", lambda: MIB // 4)  # one column: 50k rows x 8 bytes = 400 kB
 
     def never(*args, **kwargs):
         raise AssertionError("the table was read before its size was checked")
 
     monkeypatch.setattr(pq, "read_table", never)
-    with pytest.raises(ValidationError) as refused:
-        table.read_table(tmp_path / "t.parquet", episode="episode", unit="unit", observations="obs_",
-                         action="action", reward="reward", progress=False)
-    assert refused.value.field == "source" and "declares 50000 rows" in str(refused.value)
+    status, err = _inspect(tmp_path / "t.parquet", capsys)
+    assert status == 2 and "error: source" in err and "declares 50000 rows" in err, err
 
 
 def test_huge_csv_cells_are_named_errors(tmp_path):
@@ -341,10 +349,8 @@ def test_huge_csv_cells_are_named_errors(tmp_path):
     header_cell.write_text("episode,unit,obs_" + "x" * 200_000 + ",action,reward\n0,0,1,0,1.0\n")
     data_cell = tmp_path / "cell.csv"
     data_cell.write_text("episode,unit,obs_0,action,reward\n0,0," + "1" * (2 * MIB) + ",0,1.0\n")
-    flags = ["--episode", "episode", "--unit", "unit", "--observations", "obs_", "--action", "action", "--reward",
-             "reward"]
-    _refused(_dporl(tmp_path, "data", "inspect", str(header_cell), *flags), "source")
-    result = _dporl(tmp_path, "data", "inspect", str(data_cell), *flags)
+    _refused(_dporl(tmp_path, "data", "inspect", str(header_cell), *TABLE_FLAGS), "source")
+    result = _dporl(tmp_path, "data", "inspect", str(data_cell), *TABLE_FLAGS)
     _refused(result, "source")
     assert "a row longer than 1 MiB" in result.stderr
 
