@@ -134,18 +134,15 @@ def public_simulator(metadata: DatasetMetadata, config: StablePrefixConfig, expe
     """
     import gymnasium as gym
 
-    import dporl.envs  # noqa: F401  (registers the dporl/ environment ids)
+    from dporl.envs.registry import is_registered
 
     env_id = metadata.env_id
-    try:
-        gym.spec(env_id)
-    except Exception as exc:  # NameNotFound, NamespaceNotFound, VersionNotFound, a malformed id
+    if not is_registered("dataset.metadata.env_id", env_id):
         raise ValidationError(
             "dataset.metadata.env_id",
-            f"the fresh stable-prefix release needs a public simulator of the logging environment, and Gymnasium "
-            f"cannot make {env_id!r} ({type(exc).__name__}: {exc}); register it, or use method=dp_sgd (no simulator "
-            "needed)",
-        ) from None
+            f"the fresh stable-prefix release needs a public simulator of the logging environment, and {env_id!r} is "
+            "not a registered Gymnasium environment; register it, or use method=dp_sgd (no simulator needed)",
+        )
     extra = metadata.extra
     horizon = config.horizon if config.horizon is not None else extra.get("max_episode_steps")
     if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 1:

@@ -48,7 +48,11 @@ multiplies the next state's value by ``1 - terminated`` (CQL's and FQE's targets
 placeholder cannot move any estimate (tested by swapping the placeholder for huge values).
 
 Loading checks every rule above (exact dtypes, shapes, finiteness, ranges, boundaries, metadata types) and raises
-``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path.
+``ValidationError`` naming the bad field or, for an unreadable/corrupt/truncated archive, the path. Sizes come
+first: each member's declared dtype and shape (its ``.npy`` header) and inflated size (the zip directory) are checked
+against the metadata, the other members and a compression-ratio cap before any array is inflated or allocated
+(``dporl.utils.archives``). ``metadata.env_id`` is a name, never code: an id with a module part
+(``"module:Env-v0"``, which Gymnasium would import) is refused.
 
 Views never loop over episodes in Python: every per-episode slice is one vectorised gather (``concat_ranges``).
 ``transition_columns()`` gives batch sources the per-transition columns without copying: tensors sharing the
@@ -71,8 +75,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from dporl.envs.registry import check_no_module
+from dporl.utils.archives import NpyMember, NpzArchive, check_declared
 from dporl.utils.grouping import concat_ranges, stable_group_order
-from dporl.utils.io import atomic_write
+from dporl.utils.io import MAX_JSON_BYTES, atomic_write, parse_json
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
 FORMAT_VERSION = 2
@@ -169,6 +175,7 @@ class DatasetMetadata:
     def __post_init__(self) -> None:
         if not isinstance(self.env_id, str) or not self.env_id:
             raise ValidationError("metadata.env_id", f"expected a non-empty string, got {self.env_id!r}")
+        check_no_module("metadata.env_id", self.env_id)
         for name, bound in (("n_actions", MAX_ACTIONS), ("n_experts", MAX_EXPERTS)):
             value = getattr(self, name)  # bounded: code sizes arrays by these before reading any row
             if not _is_int(value) or not 1 <= value <= bound:
@@ -950,31 +957,49 @@ class TrajectoryDataset:
     def load(cls, path: str | os.PathLike, *, mmap: bool = False) -> "TrajectoryDataset":
         """Read and fully validate a dataset written by ``save``.
 
+        Sizes are bounded before anything is inflated or allocated (``dporl.utils.archives``): every member's
+        declared dtype and shape are compared with the metadata and with each other, and only then read.
+
         ``mmap=True`` maps the arrays from the file instead of reading them (data larger than RAM): pages are read
         when touched and belong to the page cache, and the batch sources gather only their sampled rows.
         Validation still reads every value once, in chunks. Members that cannot be mapped (compressed, or not
         aligned to their dtype: files written by a bare ``np.savez``) are read as usual. The file must not change
         while the dataset is in use: the arrays are its pages.
         """
-        contents = _map_archive(Path(path)) if mmap else _read_archive(Path(path))
-        version = contents.pop("format_version")
-        if version.shape != () or version.dtype.kind not in "iu":
-            raise ValidationError("format_version", f"expected an integer scalar, got {version.dtype} {version.shape}")
-        if int(version) not in READABLE_VERSIONS:
-            raise ValidationError(
-                "format_version", f"file has version {int(version)}, this dporl reads versions {READABLE_VERSIONS}"
-            )
-        raw_meta = contents.pop("metadata")
-        if raw_meta.shape != () or raw_meta.dtype.kind != "U":
-            raise ValidationError("metadata", f"expected a JSON string scalar, got {raw_meta.dtype} {raw_meta.shape}")
-        try:
-            meta_dict = json.loads(str(raw_meta))
-        except json.JSONDecodeError as exc:
-            raise ValidationError("metadata", f"is not valid JSON: {exc}") from None
-        metadata = DatasetMetadata.from_dict(meta_dict)
-        for name, array in contents.items():
-            if array.dtype != _ARRAY_DTYPES[name]:
-                raise ValidationError(name, f"expected dtype {np.dtype(_ARRAY_DTYPES[name]).name}, got {array.dtype}")
+        path = Path(path)
+        if not path.is_file():
+            raise ValidationError("path", f"no dataset file at {path}")
+        if not zipfile.is_zipfile(path):
+            raise ValidationError("path", f"{path} is not a readable dporl dataset (not a zip archive of .npy arrays)")
+        with NpzArchive(path, "path") as archive:
+            keys = set(archive.members)
+            unexpected = sorted(keys - _ARCHIVE_KEYS)
+            if unexpected:
+                raise ValidationError(unexpected[0], f"unexpected member in {path} (is this a dporl dataset?)")
+            missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
+            if missing:
+                raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
+            version_header = archive.members["format_version"]
+            if version_header.shape != () or version_header.dtype.kind not in "iu":
+                raise ValidationError("format_version", f"expected an integer scalar, got {version_header.dtype} "
+                                      f"{version_header.shape}")
+            version = archive.read("format_version")
+            if int(version) not in READABLE_VERSIONS:
+                raise ValidationError(
+                    "format_version", f"file has version {int(version)}, this dporl reads versions {READABLE_VERSIONS}"
+                )
+            meta_header = archive.members["metadata"]
+            if meta_header.shape != () or meta_header.dtype.kind != "U":
+                raise ValidationError("metadata", f"expected a JSON string scalar, got {meta_header.dtype} "
+                                      f"{meta_header.shape}")
+            if meta_header.nbytes > 4 * MAX_JSON_BYTES:
+                raise ValidationError("metadata", f"declares {meta_header.nbytes} bytes of metadata, more than a "
+                                      "dataset's metadata may hold")
+            metadata = DatasetMetadata.from_dict(parse_json(str(archive.read("metadata")), "metadata"))
+            _check_declared_sizes(archive.members, metadata)
+            names = sorted(keys - {"format_version", "metadata"})
+            mapped = _map_members(path, archive, names) if mmap else {}
+            contents = {name: mapped[name] if name in mapped else archive.read(name) for name in names}
         return cls(metadata=metadata, **contents)
 
 
@@ -1050,22 +1075,15 @@ def _map_member(path: Path, handle: Any, info: zipfile.ZipInfo) -> Optional[np.n
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
 
 
-def _map_archive(path: Path) -> dict[str, np.ndarray]:
-    """Like ``_read_archive`` with the arrays memory-mapped where possible (see ``TrajectoryDataset.load``)."""
-    if not path.is_file():
-        raise ValidationError("path", f"no dataset file at {path}")
-    try:
-        archive = zipfile.ZipFile(path)
-    except Exception:  # not a zip: the reading path names the problem
-        return _read_archive(path)
-    with archive, open(path, "rb") as handle:
-        members = {info.filename[:-4]: info for info in archive.infolist() if info.filename.endswith(".npy")}
-        mapped: dict[str, np.ndarray] = {}
-        for key, info in members.items():
-            if key not in _ARRAY_DTYPES:
-                continue  # the reading path below names unexpected members and reads the small ones
+
+def _map_members(path: Path, archive: NpzArchive, names: list[str]) -> dict[str, np.ndarray]:
+    """The members of ``names`` that can be mapped (see ``TrajectoryDataset.load``), as read-only memory maps; their
+    headers were checked by ``archive`` and against the metadata already."""
+    mapped: dict[str, np.ndarray] = {}
+    with open(path, "rb") as handle:
+        for key in names:
             try:
-                array = _map_member(path, handle, info)
+                array = _map_member(path, handle, archive.zip_info(key))
             except ValidationError:
                 raise
             except Exception as exc:  # a bad npy header: the member is corrupt
@@ -1074,34 +1092,22 @@ def _map_archive(path: Path) -> dict[str, np.ndarray]:
                 ) from exc
             if array is not None:
                 mapped[key] = array
-    return _read_archive(path, skip=frozenset(mapped)) | mapped
+    return mapped
 
 
-def _read_archive(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
-    """Every member of the archive (except those in ``skip``, mapped by the caller) as an array; any failure to
-    read the container is a ValidationError."""
-    if not path.is_file():
-        raise ValidationError("path", f"no dataset file at {path}")
-    arrays: dict[str, np.ndarray] = {}
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except Exception as exc:  # zip/npy header errors, a pickle refused: a corrupt or foreign file
-        raise ValidationError("path", f"{path} is not a readable dporl dataset ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValidationError("path", f"{path} is a single .npy array, not a dporl dataset archive")
-    with archive:
-        keys = set(archive.files)
-        unexpected = sorted(keys - _ARCHIVE_KEYS)
-        if unexpected:
-            raise ValidationError(unexpected[0], f"unexpected member in {path} (is this a dporl dataset?)")
-        missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
-        if missing:
-            raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
-        for key in sorted(keys - skip):
-            try:
-                arrays[key] = archive[key]
-            except Exception as exc:  # CRC, EOF, bad npy header, allocation: the member is corrupt
-                raise ValidationError(
-                    key, f"member of {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
-                ) from exc
-    return arrays
+def _check_declared_sizes(members: Mapping[str, NpyMember], metadata: DatasetMetadata) -> None:
+    """Every array member's declared dtype, and shape against the metadata and the other members, before reading."""
+    for name in _ARRAY_DTYPES:
+        member = members.get(name)
+        if member is not None and member.dtype != np.dtype(_ARRAY_DTYPES[name]):
+            raise ValidationError(name, f"expected dtype {np.dtype(_ARRAY_DTYPES[name]).name}, got {member.dtype}")
+    for name in ("episode_lengths", "actions"):
+        if len(members[name].shape) != 1:
+            raise ValidationError(name, f"expected a 1-d array, got shape {members[name].shape}")
+    n_episodes, n_transitions = members["episode_lengths"].shape[0], members["actions"].shape[0]
+    expected = {"observations": (n_transitions + n_episodes, *metadata.obs_shape)}
+    expected.update({name: (n_transitions,) for name in ("rewards", "terminations", "truncations",
+                                                         "behavior_log_probs")})
+    expected.update({name: (n_episodes,) for name in ("expert_ids", "start_steps")})
+    for name, shape in expected.items():
+        check_declared(name, members.get(name), None, shape)

@@ -34,6 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.envs.registry import check_no_module
+from dporl.utils.io import parse_json, read_json
 from dporl.utils.validation import ValidationError
 
 try:
@@ -218,6 +220,7 @@ def import_minari(
     ``behavior_log_prob_key`` (None to skip): info key of behaviour log-probabilities, step-aligned as above.
     """
     data = _open(source, root)
+    _check_declared_size(data)
     indices = data.episode_indices
     reader = data.storage.get_episodes(indices)  # a generator: one HDF5 read per episode
     # The bar shows a percentage only: the number of episodes is private (it reaches the curator's stderr anyway).
@@ -227,10 +230,7 @@ def import_minari(
     if metadata is None and stored is not None:
         if n_experts is not None:
             raise ValidationError("n_experts", "the dataset carries dporl metadata; pass metadata= to override it")
-        try:
-            metadata = DatasetMetadata.from_dict(json.loads(stored))
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise ValidationError(DPORL_METADATA_KEY, f"is not a JSON string: {exc}") from None
+        metadata = DatasetMetadata.from_dict(parse_json(stored, DPORL_METADATA_KEY))
     expert_ids = _expert_ids(episodes, expert_id_key)
     if metadata is None:
         metadata = _derived_metadata(data, expert_ids, n_experts)
@@ -270,11 +270,52 @@ def _open(source: str | os.PathLike, root: Optional[str | os.PathLike]) -> "mina
         candidates = [_resolve_root(root) / str(source) / "data"]
     for data_path in candidates:
         if (data_path / "metadata.json").is_file():
+            _check_minari_metadata(data_path / "metadata.json")
             try:
                 return minari.MinariDataset(data_path)
             except Exception as exc:  # Minari raises assorted errors for broken storage
                 raise ValidationError("source", f"cannot open Minari dataset at {data_path}: {exc}") from exc
     raise ValidationError("source", f"no local Minari dataset at {candidates[0].parent}")
+
+
+def _check_minari_metadata(path: Path) -> None:
+    """Refuse, before Minari reads it, a ``metadata.json`` that would make Minari build an environment.
+
+    Minari recovers missing observation / action spaces by ``gym.make`` of the stored env spec, whose entry point
+    is a "module:Class" string from the file: that would import and run code named by the file. dporl reads only
+    datasets that declare both spaces, and an env spec's id must name no module (``dporl.envs.registry``).
+    """
+    metadata = read_json(path, "source.metadata")
+    if not isinstance(metadata, dict):
+        raise ValidationError("source.metadata", f"{path} is not a JSON object")
+    for key in ("observation_space", "action_space"):
+        if not isinstance(metadata.get(key), str):
+            raise ValidationError(
+                f"source.metadata.{key}", f"{path} does not declare the {key.replace('_', ' ')}; Minari would recover "
+                "it by making the environment its env spec names (importing code the file chooses): refused")
+    for key in ("env_spec", "eval_env_spec"):
+        spec = metadata.get(key)
+        if spec is None:
+            continue
+        parsed = parse_json(spec, f"source.metadata.{key}", str(path)) if isinstance(spec, str) else None
+        if not isinstance(parsed, dict):
+            raise ValidationError(f"source.metadata.{key}", f"{path}: expected a JSON object string")
+        check_no_module(f"source.metadata.{key}.id", parsed.get("id"))
+
+
+def _check_declared_size(data: "minari.MinariDataset") -> None:
+    """Bound an import by what the dataset declares before any episode is read: its steps and episodes times the
+    bytes each takes in memory (observations of the declared space, action, reward, two flags, the infos' ids)."""
+    from dporl.utils.archives import load_budget_bytes
+
+    steps, episodes = int(data.total_steps), int(data.total_episodes)
+    space = data.observation_space
+    per_observation = int(np.prod(getattr(space, "shape", None) or (1,))) * 8
+    total = (steps + episodes) * (per_observation + 3 * 8) + steps * (8 + 8 + 2)
+    budget = load_budget_bytes()
+    if steps < 0 or episodes < 0 or total > budget:
+        raise ValidationError("source", f"the dataset declares {steps} steps in {episodes} episodes ({total} bytes to "
+                              f"import), more than the {budget} this machine may load (half its memory)")
 
 
 def _derived_metadata(

@@ -71,6 +71,7 @@ from dporl.utils.validation import ValidationError
 
 Columns = str | Sequence[str]
 DEFAULT_ENV_ID = "offline-table"  # no simulator: the data's environment is not a registered Gymnasium id
+CSV_BLOCK_BYTES = 1 << 20  # pyarrow's CSV block (its default): a row longer than this is refused by name
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -100,6 +101,7 @@ class _Table:
             elif path.suffix.lower() in (".csv", ".tsv", ".txt", ".gz"):
                 self.kind = "csv"
                 self.delimiter = "\t" if ".tsv" in path.suffixes else ","
+                _check_csv_size(path)
                 self.names = _csv_header(path, self.delimiter)
             else:
                 raise ValidationError("source", f"unknown table format {path.suffix!r}: use .csv, .tsv or .parquet")
@@ -122,6 +124,7 @@ class _Table:
         if self.kind == "parquet":
             import pyarrow.parquet as pq
 
+            _check_parquet_sizes(self.path, names)
             try:
                 table = pq.read_table(self.path, columns=names)
             except Exception as exc:
@@ -132,11 +135,15 @@ class _Table:
             try:
                 table = pacsv.read_csv(
                     self.path,
+                    read_options=pacsv.ReadOptions(block_size=CSV_BLOCK_BYTES),
                     parse_options=pacsv.ParseOptions(delimiter=self.delimiter),
                     convert_options=pacsv.ConvertOptions(include_columns=names),
                 )
             except Exception as exc:
-                raise ValidationError("source", f"cannot parse {self.path} as CSV ({exc})") from exc
+                if "straddling" in str(exc):  # one row longer than a block: no table of numbers has such cells
+                    raise ValidationError("source", f"{self.path} has a row longer than {CSV_BLOCK_BYTES >> 20} MiB "
+                                          "(a cell that large is not a logged number): refused") from None
+                raise ValidationError("source", f"cannot parse {self.path} as CSV ({exc})") from None
         # One contiguous chunk per column, in Arrow's memory pool (which keeps its pages between reads: fresh numpy
         # allocations page-fault, and that dominated the import), then zero-copy numpy views where possible.
         table = table.combine_chunks()
@@ -184,12 +191,78 @@ def _csv_header(path: Path, delimiter: str) -> list[str]:
     opener = gzip.open if path.suffix.lower() == ".gz" else open
     try:
         with opener(path, "rt", newline="") as handle:
-            header = next(csv.reader(handle, delimiter=delimiter), None)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValidationError("source", f"cannot read {path} as text ({exc})") from exc
+            line = handle.readline(CSV_BLOCK_BYTES + 1)  # bounded: never a whole file without newlines in memory
+        if len(line) > CSV_BLOCK_BYTES:
+            raise ValidationError("source", f"{path} has a header row longer than {CSV_BLOCK_BYTES >> 20} MiB: refused")
+        header = next(csv.reader([line], delimiter=delimiter), None)
+    except csv.Error as exc:  # e.g. a header cell beyond the csv module's field limit
+        raise ValidationError("source", f"{path} has no readable header row ({exc})") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise ValidationError("source", f"cannot read {path} as text ({exc})") from None
     if not header:
         raise ValidationError("source", f"{path} has no header row")
     return [name.strip() for name in header]
+
+
+def _check_csv_size(path: Path) -> None:
+    """Bound what a CSV may inflate to before pyarrow reads it: the load budget, and for gzip the compression ratio
+    (``dporl.utils.archives``), counted by streaming the file through the decompressor without keeping it."""
+    from dporl.utils.archives import MAX_COMPRESSION_RATIO, SMALL_MEMBER_BYTES, load_budget_bytes
+
+    size = path.stat().st_size
+    budget = load_budget_bytes()
+    if path.suffix.lower() == ".gz":
+        import zlib
+
+        limit = min(budget, max(SMALL_MEMBER_BYTES, MAX_COMPRESSION_RATIO * size))
+        inflated = 0
+        decompressor = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip header
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                while chunk:
+                    try:
+                        inflated += len(decompressor.decompress(chunk, 1 << 20))
+                    except zlib.error as exc:
+                        raise ValidationError("source", f"{path} is not readable gzip ({exc})") from None
+                    if inflated > limit:
+                        raise ValidationError("source", f"{path} inflates past {limit} bytes from {size} (at most "
+                                              f"{MAX_COMPRESSION_RATIO}:1 and {budget} bytes): refused while inflating")
+                    chunk = decompressor.unconsumed_tail
+                    if decompressor.eof and decompressor.unused_data:  # a multi-member gzip: continue with the next
+                        chunk, decompressor = decompressor.unused_data, zlib.decompressobj(zlib.MAX_WBITS | 32)
+        size = inflated
+    if size > budget:
+        raise ValidationError("source", f"{path} holds {size} bytes of text, more than the {budget} this machine may "
+                              "load (half its memory)")
+
+
+def _check_parquet_sizes(path: Path, names: Sequence[str]) -> None:
+    """Bound a Parquet read from its footer before any page is decoded: the declared rows times each column's
+    width (what the columns take in memory) against the load budget."""
+    import pyarrow.parquet as pq
+
+    from dporl.utils.archives import load_budget_bytes
+
+    try:
+        metadata = pq.ParquetFile(path).metadata
+        schema = metadata.schema.to_arrow_schema()
+    except Exception as exc:
+        raise ValidationError("source", f"{path} is not a readable Parquet file ({exc})") from None
+    rows = metadata.num_rows
+    total = 0
+    for name in names:
+        index = schema.get_field_index(name)
+        try:
+            total += rows * max(schema.field(index).type.bit_width // 8, 1)
+        except (ValueError, AttributeError, KeyError, IndexError):  # variable width (strings): their decoded bytes
+            total += rows * 8 + sum(
+                metadata.row_group(g).column(c).total_uncompressed_size
+                for g in range(metadata.num_row_groups) for c in range(metadata.num_columns)
+                if metadata.row_group(g).column(c).path_in_schema == name)
+    budget = load_budget_bytes()
+    if total > budget:
+        raise ValidationError("source", f"{path} declares {rows} rows: its {len(names)} columns would take {total} "
+                              f"bytes, more than the {budget} this machine may load (half its memory)")
 
 
 def _resolve(table: _Table, spec: Columns, field_name: str) -> list[str]:

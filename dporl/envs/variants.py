@@ -23,6 +23,7 @@ import gymnasium as gym
 import numpy as np
 
 from dporl.envs.classic_vector import AcrobotVectorEnv, CartPoleVectorEnv
+from dporl.envs.registry import make, make_vec
 from dporl.utils.validation import ValidationError
 
 HIV_ID = "dporl/HIVTreatment-v0"
@@ -131,7 +132,7 @@ def make_variant(env_id: str, params: Mapping[str, Any], **make_kwargs: Any) -> 
     """``gym.make(env_id, **make_kwargs)`` with the physics in ``params`` (unknown names are a ValidationError)."""
     spec, values = _check_params(env_id, params, make_kwargs)
     arguments = {k: v for k, v in values.items() if k in spec.make_arguments}
-    env = gym.make(env_id, **arguments, **make_kwargs)
+    env = make("env_id", env_id, **arguments, **make_kwargs)
     _set_attributes(env.unwrapped, spec, values)
     return env
 
@@ -148,7 +149,8 @@ def make_vector_variant(env_id: str, params: Mapping[str, Any], num_envs: int, *
         return env
     if spec.vector_entry_point:
         arguments = {k: v for k, v in values.items() if k in spec.make_arguments}
-        env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **arguments, **make_kwargs)
+        env = make_vec("env_id", env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **arguments,
+                       **make_kwargs)
         _set_attributes(env.unwrapped, spec, values)
         return env
     per_env = [{k: (v[i] if isinstance(v, np.ndarray) else v) for k, v in values.items()} for i in range(num_envs)]

@@ -104,24 +104,22 @@ def evaluate_released_policy(
     Writes the returns to ``<policy>/../evaluations/eval_seed<S>_episodes<N>.json`` (or ``out``). Public-simulator
     returns of a released policy are post-processing: they cost no privacy.
     """
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401  (registers dporl/* environments)
+    from dporl.envs.registry import check_env_id, make_vec
     from dporl.train.export import load_policy
     from dporl.utils.io import atomic_write_json
 
     if episodes < 1:
         raise ValidationError("episodes", f"must be >= 1, got {episodes}")
+    field = "env" if env_id else "policy.env_id"
+    if env_id:
+        check_env_id(field, env_id)  # before the policy is read: a bad --env is named first
     policy = load_policy(policy_dir)
     env_id = env_id or policy.spec.get("env_id")
     if not env_id:
         raise ValidationError("env", "the policy names no environment (trained without a simulator); pass --env")
     max_episode_steps = max_episode_steps or (policy.spec.get("extra") or {}).get("max_episode_steps")
     kwargs = {} if max_episode_steps is None else {"max_episode_steps": int(max_episode_steps)}
-    try:
-        env = gym.make_vec(env_id, num_envs=min(num_envs, episodes), vectorization_mode="sync", **kwargs)
-    except (gym.error.Error, ModuleNotFoundError, ImportError) as exc:
-        raise ValidationError("env", f"cannot make environment {env_id!r}: {exc}") from None
+    env = make_vec(field, env_id, num_envs=min(num_envs, episodes), vectorization_mode="sync", **kwargs)
     try:
         observation_dim = int(env.single_observation_space.shape[0])
         if observation_dim != policy.obs_dim or int(env.single_action_space.n) != policy.n_actions:

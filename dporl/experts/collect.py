@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 import dporl.envs  # noqa: F401  (registers the dporl/ environment ids)
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.envs.registry import check_env_id, make_vec
 from dporl.envs.variants import HIV_ID, VARIANT_SPECS, make_variant, make_vector_variant, physics_of
 from dporl.experts.expert_set import ExpertSet, sample_from_log_probs
 from dporl.experts.policies import StackedPolicy
@@ -84,6 +85,7 @@ def make_vector_env(
     call (e.g. the HIV treatment interval). ``workers > 1``: the sub-envs step in that many processes
     (``ProcessVectorEnv``; worth it for Box2D LunarLander, whose envs step in Python).
     """
+    check_env_id("env_id", env_id)  # a name, never a module to import (dporl.envs.registry)
     if workers > 1 and num_envs > 1:
         return ProcessVectorEnv(env_id, num_envs, max_episode_steps, params, env_kwargs, workers=workers)
     kwargs = {**time_limit_kwargs(env_id, max_episode_steps), **dict(env_kwargs or {})}
@@ -91,7 +93,7 @@ def make_vector_env(
         if env_id in VARIANT_SPECS:
             vector_env = make_vector_variant(env_id, {}, num_envs, **kwargs)
         else:
-            vector_env = gym.make_vec(env_id, num_envs=num_envs, **kwargs)
+            vector_env = make_vec("env_id", env_id, num_envs=num_envs, **kwargs)
     else:
         if len(params) != num_envs:
             raise ValidationError("params", f"need one setting per sub-env ({num_envs}), got {len(params)}")

@@ -20,7 +20,9 @@ All queries are tensor ops over the stacked parameters of a ``StackedPolicy``; `
 evaluates a chunk of experts, which is how callers bound memory for thousands of experts.
 
 Files are written atomically as one torch file of plain tensors and a JSON config string (no pickled code) and read
-back with ``torch.load(weights_only=True)``.
+back with ``torch.load(weights_only=True)`` after the zip's sizes were bounded (``dporl.utils.io.load_weights``); the
+config's nesting depth is bounded before it is parsed, and an environment id in its provenance that names a module
+is refused.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch
 from torch import nn
 
 from dporl.experts.policies import FAMILIES, ExpertIndex, StackedPolicy
-from dporl.utils.io import atomic_torch_save
+from dporl.envs.registry import check_no_module
+from dporl.utils.io import atomic_torch_save, load_weights, parse_json
 from dporl.utils.validation import ValidationError, check_shape
 
 Softening = Literal["argmax", "none"]
@@ -86,6 +89,11 @@ class ExpertSet(nn.Module):
     @property
     def obs_dim(self) -> int:
         return self.policy.obs_dim
+
+    @property
+    def path(self) -> str | None:
+        """The file this set was loaded from or last saved to (None for a set built in memory)."""
+        return self._path
 
     # ------------------------------------------------------------------ queries
     @torch.no_grad()
@@ -151,12 +159,8 @@ class ExpertSet(nn.Module):
     @classmethod
     def load(cls, path: str | Path, map_location: str | torch.device = "cpu") -> "ExpertSet":
         path = Path(path)
-        if not path.is_file():
-            raise ValidationError("expert_set.path", f"file not found: {path}")
-        try:
-            payload = torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as exc:  # any unreadable / non-weights file
-            raise ValidationError("expert_set.path", f"{path} is not a readable expert-set file: {exc}") from None
+        # Weights-only, with the zip's sizes bounded before anything is inflated (dporl.utils.io.load_weights).
+        payload = load_weights(path, "expert_set.path", map_location)
         if not isinstance(payload, dict) or payload.get("format") != FORMAT_NAME:
             raise ValidationError("expert_set.format", f"{path} is not a {FORMAT_NAME} file")
         if payload.get("format_version") != FORMAT_VERSION:
@@ -296,10 +300,7 @@ def _read_config(payload: dict, path: Path) -> dict:
     raw = payload.get("config_json")
     if not isinstance(raw, str):
         raise ValidationError("expert_set.config_json", f"{path} has no JSON config string")
-    try:
-        config = json.loads(raw)
-    except ValueError as exc:
-        raise ValidationError("expert_set.config_json", f"is not valid JSON: {exc}") from None
+    config = parse_json(raw, "expert_set.config_json")  # nesting depth bounded before the parser recurses
     if not isinstance(config, dict):
         raise ValidationError("expert_set.config_json", f"expected a JSON object, got {type(config).__name__}")
     for key, kind in (("family", str), ("family_config", dict), ("softening", str)):
@@ -307,6 +308,9 @@ def _read_config(payload: dict, path: Path) -> dict:
             raise ValidationError(f"expert_set.config_json.{key}", f"expected a {kind.__name__}, got {config.get(key)!r}")
     if "p_min" not in config:
         raise ValidationError("expert_set.config_json.p_min", "missing")
+    generation = (config.get("info") or {}).get("generation") if isinstance(config.get("info"), dict) else None
+    if isinstance(generation, dict) and "env_id" in generation:  # provenance: a name, never a module to import
+        check_no_module("expert_set.info.generation.env_id", generation["env_id"])
     if not isinstance(payload.get("state_dict"), dict):
         raise ValidationError("expert_set.state_dict", f"{path} holds no state_dict")
     return config

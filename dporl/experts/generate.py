@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from dporl.envs.registry import check_env_id
 from dporl.envs.variants import physics_grid
 from dporl.experts.analytic import analytic_experts
 from dporl.experts.batched_ppo import train_ppo_batched
@@ -67,6 +68,7 @@ class GenerationConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
+        check_env_id("experts.env_id", self.env_id)  # named before minutes of generation, and never a module
         for name in ("candidates_per_setting", "keep_best", "eval_episodes", "max_episode_steps", "batch_experts",
                      "env_workers", "torch_threads"):
             if getattr(self, name) < 1:

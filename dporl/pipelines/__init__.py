@@ -56,10 +56,18 @@ def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
     """A command line's outcome: a short human summary of ``work()``'s result on stdout, ending with the headline
     metrics and the guarantee (``as_json``: the whole result as JSON, for machines), exit 0; or the bad input, named
     by its field, on stderr (exit 2). Full configs and summaries live in the run directory, not on the screen."""
+    from dporl.utils.io import disk_full_cause, disk_full_error
+
     try:
         result = work()
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk outside dporl's atomic writers (e.g. TensorBoard's event files)
+        cause = disk_full_cause(exc)
+        if cause is None:
+            raise
+        print(f"error: {disk_full_error(exc.filename or 'a file', cause)}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0

@@ -23,6 +23,7 @@ from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, curator_note, register
+from dporl.pipelines.inputs import check_inputs_outside
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
 from dporl.utils.validation import ValidationError, check_positive
@@ -54,10 +55,12 @@ class DatasetConfig:
 def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     out_dir = Path(config.out_dir)
     run_dir = RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True)
+    check_inputs_outside(run_dir, {"expert_set_path": config.expert_set_path})  # --overwrite keeps the user's input
     if run_dir.finished:  # this very generation is already on disk
         return run_dir.read_summary()
     # Refuse an impossible p_min before spending minutes to hours on experts.
     check_p_min(config.p_min, _action_count(config.experts.env_id, config.experts.env_kwargs), config.softening)
+    loaded = ExpertSet.load(config.expert_set_path) if config.expert_set_path is not None else None  # before writing
     run_dir.begin()
     timings: dict[str, float] = {}
     load = {"start": os.getloadavg()[0]}  # the machine may be shared: say how loaded it was
@@ -66,7 +69,6 @@ def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
         generated = generate_experts(config.experts, progress=config.progress)
         expert_set = ExpertSet(generated.policy, config.p_min, config.softening, generated.info(config.experts))
     else:
-        loaded = ExpertSet.load(config.expert_set_path)
         expert_set = ExpertSet(loaded.policy, config.p_min, config.softening, loaded.info)
     timings["experts_s"] = time.perf_counter() - start
     timings["experts_cpu_s"] = time.process_time() - cpu  # this process, all threads (env workers not included)

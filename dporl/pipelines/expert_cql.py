@@ -81,14 +81,21 @@ from dporl.algos.stable_prefix import (
     release_stable_prefixes,
 )
 from dporl.data.dataset import TrajectoryDataset
+from dporl.envs.registry import check_env_id, check_no_module, is_registered, make_vec
 from dporl.eval.returns import evaluate_returns
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import Pipeline, curator_note, get_pipeline, register
-from dporl.pipelines.inputs import DataConfig, import_dataset, save_imported
+from dporl.pipelines.inputs import DataConfig, check_inputs_outside, data_inputs, import_dataset, save_imported
 from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
-from dporl.pipelines.unit_count import check_delta, count_once, describe_count, public_units, with_released_count
-from dporl.privacy.accountants import paper_mixture_epsilon
+from dporl.pipelines.unit_count import (
+    check_delta_below_one_over_n,
+    count_once,
+    describe_count,
+    public_units,
+    with_released_count,
+)
+from dporl.privacy.accountants import check_delta, paper_mixture_epsilon
 from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, Units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
@@ -146,6 +153,8 @@ class EvalConfig:
     offline: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)  # without a simulator
 
     def __post_init__(self) -> None:
+        if self.env_id is not None:
+            check_no_module("eval.env_id", self.env_id)  # refused even with evaluation off: never a module
         for name in ("episodes", "num_envs", "last_evals"):
             if getattr(self, name) < 1:
                 raise ValidationError(f"eval.{name}", f"must be >= 1, got {getattr(self, name)}")
@@ -179,7 +188,7 @@ class ExpertCQLConfig:
         if self.pipeline != "expert_cql":
             raise ValidationError("pipeline", f"expected 'expert_cql', got {self.pipeline!r}")
         check_positive("epsilon", self.epsilon)
-        check_probability("delta", self.delta, allow_zero=False, allow_one=False)
+        check_delta(self.delta)
         check_probability("release_fraction", self.release_fraction, allow_zero=False, allow_one=False)
         check_probability("count_fraction", self.count_fraction, allow_zero=False, allow_one=False)
         if self.relation not in ("add_remove", "replace_one"):
@@ -240,7 +249,10 @@ def dataset_config(generate: dict[str, Any], out_dir: Optional[str | Path] = Non
 def check_generation(generate: dict[str, Any], out_dir: Optional[str | Path] = None, replaced: Optional[Path] = None) -> None:
     """Refuse, writing nothing, a generation whose config is invalid or whose out_dir holds another generation
     (unless that out_dir lies inside ``replaced``, a run directory --overwrite is about to remove)."""
-    _, config = dataset_config(generate, out_dir)
+    try:
+        _, config = dataset_config(generate, out_dir)
+    except ValidationError as exc:  # named as the run's config says it: data.generate.<field>
+        raise type(exc)(f"data.generate.{exc.field}", str(exc).split(": ", 1)[-1]) from None
     if replaced is not None and Path(config.out_dir).resolve().is_relative_to(replaced.resolve()):
         return
     try:
@@ -335,35 +347,19 @@ def simulator_id(config: EvalConfig, dataset_env_id: str) -> Optional[str]:
     """The environment a run evaluates its policy in, or None: evaluation in a simulator is off, or there is none.
 
     ``eval.env_id`` must name a registered Gymnasium environment (an error otherwise); the dataset's env id is used
-    when it is one (an imported table's usually is not: then there is no simulator)."""
+    when it is one (an imported table's usually is not: then there is no simulator). Either id is refused if it
+    names a module to import (``dporl.envs.registry``)."""
     if not config.enabled:
         return None
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401  (registers dporl/* environments)
-
-    env_id = config.env_id or dataset_env_id
-    try:
-        gym.spec(env_id)
-    except Exception as exc:  # NameNotFound, NamespaceNotFound, VersionNotFound, a malformed id
-        if config.env_id:
-            raise ValidationError("eval.env_id", f"{env_id!r} is not a registered Gymnasium environment "
-                                  f"({type(exc).__name__}: {exc})") from None
-        return None
-    return env_id
+    if config.env_id:
+        return check_env_id("eval.env_id", config.env_id)
+    return dataset_env_id if is_registered("dataset.metadata.env_id", dataset_env_id) else None
 
 
 def make_eval_env(config: EvalConfig, env_id: str):
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401  (registers dporl/* environments)
-
     kwargs = {} if config.max_episode_steps is None else {"max_episode_steps": config.max_episode_steps}
-    try:
-        return gym.make_vec(env_id, num_envs=config.num_envs, vectorization_mode="sync", **kwargs)
-    except (gym.error.Error, ModuleNotFoundError, ImportError) as exc:  # unknown id, missing extra (box2d)
-        field = "eval.env_id" if config.env_id else "dataset.metadata.env_id"
-        raise ValidationError(field, f"cannot make evaluation environment {env_id!r}: {exc}") from None
+    field = "eval.env_id" if config.env_id else "dataset.metadata.env_id"
+    return make_vec(field, env_id, num_envs=config.num_envs, vectorization_mode="sync", **kwargs)
 
 
 def returns_evaluator(config: EvalConfig, env_id: str, progress: bool = False):
@@ -434,6 +430,7 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
         raise ValidationError("data.format", "format 'memory' is for a dataset handed over in Python "
                               "(run(config, dataset=...)), and only it takes one")
     run = RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode)
+    check_inputs_outside(run, data_inputs(config.data))  # --overwrite never deletes the user's inputs
     budgets = config.stage_budgets()
     experts, frame = None, None
     if config.data.format == "npz":
@@ -443,6 +440,8 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
             run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
         # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
         dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
+        if experts is not None and config.data.generate is None and config.data.expert_set is None:
+            check_inputs_outside(run, {"dataset.metadata.expert_set.path": experts.path})
         if experts is not None:  # the release evaluates the experts where the trainer runs (trainer.device)
             experts.to(device)
     elif dataset is None:
@@ -557,7 +556,7 @@ def _after_count(config: ExpertCQLConfig, budgets, checked: Checked, units: Unit
                  plan: Optional[EvaluationPlan]) -> Optional[float]:
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
     delta < 1/n, the release's precondition, the batch size, and the training noise (None without training)."""
-    check_delta(config.delta, units)
+    check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
     if TRAIN_STAGE not in budgets:

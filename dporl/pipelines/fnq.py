@@ -62,9 +62,12 @@ from dporl.algos.fnq import (
     save_noisy_q,
 )
 from dporl.algos.fnq_baselines import GaussianRewardNoise, WholeBatchUnitSource
+from dporl.envs.registry import check_no_module, make, make_vec
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
 from dporl.pipelines import Pipeline, curator_note, register
+from dporl.pipelines.inputs import check_inputs_outside
+from dporl.privacy.accountants import check_delta
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.functional_calibration import (
     calibrate_functional_noise,
@@ -80,7 +83,7 @@ from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.io import atomic_write_json, atomic_write_text
-from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 CERTIFIED = ("fnq", "input_perturbation", "dpsgd")
 DATA_FREE = ("random_policy", "untrained")
@@ -148,6 +151,7 @@ class FNQPipelineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_no_module("env_id", self.env_id)  # a checkpoint's config is a file too: never a module to import
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValidationError("methods", f"unknown method {unknown[0]!r} (known: {', '.join(METHODS)})")
@@ -159,7 +163,7 @@ class FNQPipelineConfig:
             check_positive("epsilons", eps)
         for sigma in self.sigmas:
             check_positive("sigmas", sigma, allow_zero=True)
-        check_probability("delta", self.delta, allow_zero=False, allow_one=False)
+        check_delta(self.delta)
         if self.samples < 1 or self.batch_size < 1 or self.eval_episodes < 1:
             raise ValidationError("samples", "samples, batch_size and eval_episodes must be >= 1")
         if self.evaluations < 0:
@@ -209,11 +213,7 @@ class RunSpec:
 
 
 def _make_env(config: FNQPipelineConfig, **kwargs):
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401  (registers dporl/* environments)
-
-    return gym.make(config.env_id, **kwargs)
+    return make("env_id", config.env_id, **kwargs)
 
 
 def _state_bounds(config: FNQPipelineConfig) -> tuple[list[float], list[float]]:
@@ -280,14 +280,11 @@ def _paper_beta(config: FNQPipelineConfig) -> float:
 
 
 def _evaluator(config: FNQPipelineConfig, seed: int):
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401
     from dporl.eval.returns import evaluate_returns
 
     if config.evaluations == 0:
         return {}, None
-    env = gym.make_vec(config.env_id, num_envs=config.eval_episodes, vectorization_mode="sync")
+    env = make_vec("env_id", config.env_id, num_envs=config.eval_episodes, vectorization_mode="sync")
 
     def evaluate(module) -> dict[str, float]:
         return evaluate_returns(module.act, env, config.eval_episodes, seed).to_dict()
@@ -601,6 +598,7 @@ def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
 
     torch.set_num_threads(1)
     directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
+    check_inputs_outside(directory, {"dataset": config.dataset})  # --overwrite keeps the user's input
     specs = plan(config)
     ctx = context(config)
     if config.dataset is not None:  # declared sizes (public) must match the environment's before anything runs
@@ -638,9 +636,6 @@ def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) ->
     """evaluate.py: play the run's released function (``released.pt`` beside its checkpoints) greedily.
 
     The returns use the environment's rewards: curator-only under reward-level privacy."""
-    import gymnasium as gym
-
-    import dporl.envs  # noqa: F401
     from dporl.algos.fnq import load_noisy_q
     from dporl.eval.returns import evaluate_returns
 
@@ -649,7 +644,7 @@ def evaluate(payload: dict, *, episodes: int, seed: int, out_dir: str | Path) ->
     if not released.exists():
         raise ValidationError("checkpoint", f"no released function at {released}")
     function, metadata = load_noisy_q(released)
-    env = gym.make_vec(config.env_id, num_envs=min(episodes, 16), vectorization_mode="sync")
+    env = make_vec("env_id", config.env_id, num_envs=min(episodes, 16), vectorization_mode="sync")
     stats = evaluate_returns(function.act, env, episodes, seed)
     env.close()
     metrics = {**stats.to_dict(), "label": metadata.get("label"), "privacy": metadata.get("privacy"),

@@ -23,9 +23,10 @@ Everything here is curator data: nothing is printed but public facts about the c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from dporl.data.dataset import TrajectoryDataset, action_set
 from dporl.utils.config import to_dict
@@ -56,6 +57,11 @@ class TableColumns:
     env_id: Optional[str] = None  # the simulator's Gymnasium id, if one exists
 
 
+# What an example table may ask for: a unit-level guarantee needs at least two units; the sizes bound its memory.
+EXAMPLE_RANGES = {"units": (2, 1_000_000), "episodes_per_unit": (1, 1_000)}
+MAX_EXAMPLE_EPISODES = 2_000_000
+
+
 @dataclass
 class ExampleTable:
     """A generated example table with a known policy value: the treatment chain (``dporl.eval.ope_coverage``),
@@ -69,8 +75,13 @@ class ExampleTable:
     seed: int = 0  # public randomness: the example stands in for someone's logged data
 
     def __post_init__(self) -> None:
-        if self.units < 2 or self.episodes_per_unit < 1:
-            raise ValidationError("data.example", "need units >= 2 and episodes_per_unit >= 1")
+        for name, (low, high) in EXAMPLE_RANGES.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValidationError(f"data.example.{name}", f"must be an integer in [{low}, {high}], got {value}")
+        if self.units * self.episodes_per_unit > MAX_EXAMPLE_EPISODES:
+            raise ValidationError("data.example.episodes_per_unit", f"units x episodes_per_unit = "
+                                  f"{self.units * self.episodes_per_unit} episodes; at most {MAX_EXAMPLE_EPISODES}")
         check_probability("data.example.behaviour_low", self.behaviour_low, allow_zero=False, allow_one=False)
         check_probability("data.example.behaviour_high", self.behaviour_high, allow_zero=False, allow_one=False)
         if self.behaviour_low > self.behaviour_high:
@@ -155,6 +166,38 @@ class DataConfig:
 
     def table_columns(self) -> TableColumns:
         return self.columns if self.columns is not None else example_columns()
+
+
+def check_inputs_outside(run: Any, inputs: Mapping[str, Any]) -> None:
+    """Refuse (naming the field, deleting nothing) an input file or directory that lies inside a run directory
+    ``--overwrite`` is about to remove: the replaced run would take the user's data with it.
+
+    ``run``: the ``RunDirectory``; ``inputs``: field -> path (None entries are skipped). A path counts as inside when
+    it is, as written (a link inside the directory is removed with it) or with links resolved (a link to a file in
+    it). Data a generation writes inside the run directory are regenerated, not inputs: callers leave them out.
+    """
+    if run.mode != "overwrite" or not run.existing:
+        return
+    roots = {Path(os.path.abspath(run.root)), Path(run.root).resolve()}
+    for field_name, path in inputs.items():
+        if path is None:
+            continue
+        candidates = {Path(os.path.abspath(path)), Path(path).resolve()}
+        if any(candidate == root or candidate.is_relative_to(root) for candidate in candidates for root in roots):
+            raise ValidationError(
+                field_name, f"{path} lies inside {run.root}, which --overwrite would delete with it: move the input "
+                "out of the run directory first (nothing was deleted)")
+
+
+def data_inputs(config: DataConfig) -> dict[str, Any]:
+    """The user's input files of ``config`` (field -> path), for ``check_inputs_outside``."""
+    inputs: dict[str, Any] = {"data.path": config.path, "data.dataset": config.dataset,
+                              "data.expert_set": config.expert_set, "data.minari_root": config.minari_root}
+    if config.format == "minari" and config.path is not None and not Path(config.path).exists():
+        inputs["data.path"] = None  # a Minari id, not a path (under data.minari_root)
+    if config.generate is not None:
+        inputs["data.generate.expert_set_path"] = config.generate.get("expert_set_path")
+    return inputs
 
 
 def import_dataset(config: DataConfig, progress: bool = True) -> tuple[TrajectoryDataset, Optional[Any]]:

@@ -132,6 +132,7 @@ def _report(rows: list[dict[str, Any]], config: SweepConfig) -> dict:
             "outputs": [str(out_dir / name) for name in ("runs.csv", "results.md", "return_vs_epsilon.png")]}
 
 
+_MAX_RUNS_CSV_BYTES = 64 << 20
 _CSV_FIELDS = ("method", "epsilon", "seed", "return", "final_return", "guarantee_epsilon", "guarantee_delta", "steps",
                "stable_transitions", "error")
 
@@ -142,14 +143,17 @@ def read_runs(paths: list[str | Path], config: SweepConfig) -> list[dict[str, An
     merged: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         try:
+            if Path(path).stat().st_size > _MAX_RUNS_CSV_BYTES:
+                raise ValidationError("from_runs", f"{path} is larger than a sweep's runs.csv can be")
             text = Path(path).read_text()
-        except OSError as exc:
+            reader = csv.DictReader(io.StringIO(text))
+            fieldnames, rows = reader.fieldnames, list(reader)
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:  # csv.Error: e.g. a cell over the field limit
             raise ValidationError("from_runs", f"cannot read {path}: {exc}") from None
-        reader = csv.DictReader(io.StringIO(text))
-        missing = sorted(set(_CSV_FIELDS) - set(reader.fieldnames or ()))
+        missing = sorted(set(_CSV_FIELDS) - set(fieldnames or ()))
         if missing:
             raise ValidationError("from_runs", f"{path} is not a sweep runs.csv (missing columns {missing})")
-        for line, raw in enumerate(reader, start=2):
+        for line, raw in enumerate(rows, start=2):
             try:
                 row = _parse_row(raw)
             except ValueError as exc:

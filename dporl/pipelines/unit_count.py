@@ -46,7 +46,7 @@ def public_units(dataset: TrajectoryDataset, partition: Optional[UnitPartition])
     return Units.public(exact_counts(dataset.metadata.unit_key_strings(), partition))
 
 
-def check_delta(delta: float, units: Units) -> None:
+def check_delta_below_one_over_n(delta: float, units: Units) -> None:
     """Refuse delta >= 1/n by name: at that delta a mechanism may publish one unit's data outright."""
     n = units.total
     if n <= 0 or delta * n >= 1:

@@ -29,7 +29,7 @@ import functools
 import math
 import warnings
 from collections import Counter, OrderedDict
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -71,6 +71,18 @@ SWOR_EXACT_MAX_ORDER = 256
 PLD_DISCRETIZATION = 1e-3
 # Opacus' PRV accountant: epsilon is reported to within this additive error (its upper bound is returned).
 PRV_EPS_ERROR = 0.01
+# Largest grid (points of one privacy-loss pmf, or of a PRV domain) an analysis may build. A grid grows as
+# 1 / (sigma^2 discretisation) per event and with the composed count: a noise multiplier of 0.001 asks for ~1e9
+# points (GBs and minutes) where no budget could fit anyway. Beyond the cap the grid is not built and the event's
+# RDP bound (or the closed-form bound) answers instead: also an upper bound, computed in milliseconds.
+PLD_MAX_POINTS = 1 << 22
+# One event's pmf costs a few microseconds per point to build (dp_accounting evaluates the mechanism's CDF there).
+PLD_MAX_EVENT_POINTS = 1 << 20
+# Gaussian privacy losses are built over +-this many standard deviations (dp_accounting truncates at mass e^-50).
+_GAUSSIAN_TAIL_SDS = 10.0
+# An (epsilon, delta) guarantee with delta this large protects nobody (delta is the chance that everything leaks);
+# there the analyses degenerate (the exact epsilon is 0 for most mechanisms), so the accountants refuse it.
+MAX_DELTA = 0.1
 
 ANALYSIS_NAMES = {
     "rdp": "RDP (Renyi DP over orders 1.1-1024, Balle et al. 2020 conversion to (eps, delta))",
@@ -100,6 +112,63 @@ def check_count(field: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValidationError(field, f"must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+class AnalysisTooLarge(ValidationError):
+    """A numerical analysis would need a grid beyond ``PLD_MAX_POINTS``; ``epsilon_for`` answers with another bound."""
+
+
+def check_delta(delta: Any, field: str = "delta") -> float:
+    """A delta an (epsilon, delta) guarantee can use: in (0, MAX_DELTA]."""
+    delta = check_probability(field, delta, allow_zero=False, allow_one=False)
+    if delta > MAX_DELTA:
+        raise ValidationError(
+            field, f"{delta:g} is too large for a guarantee: delta is the probability that the privacy protection fails "
+            f"outright, so it must be far below 1 / (number of people) (at most {MAX_DELTA:g} here; 1e-5 is usual)")
+    return delta
+
+
+def pld_grid_points(event: PrivacyEvent, discretization: float = PLD_DISCRETIZATION, sensitivity: float = 1.0) -> int:
+    """An upper estimate of the number of points of ``event``'s privacy-loss pmf on a grid of ``discretization``,
+    computed from the event's parameters before anything is built (``sensitivity``: 2 for replace-one)."""
+    if isinstance(event, MixtureEvent):
+        return pld_grid_points(event.event, discretization, sensitivity)
+    if isinstance(event, PoissonGaussianEvent):
+        sigma = event.noise_multiplier / sensitivity
+        loss_range = 2 * (1 / (2 * sigma**2) + _GAUSSIAN_TAIL_SDS / sigma)
+    elif isinstance(event, LaplaceEvent):
+        loss_range = 2 * sensitivity / event.noise_multiplier
+    elif isinstance(event, ApproxDPEvent):
+        loss_range = 2 * sensitivity * event.epsilon
+    else:
+        return 0
+    return int(min(loss_range / discretization, 1e18)) + 2
+
+
+def check_grid(what: str, points: float, cap: int = PLD_MAX_POINTS) -> None:
+    """Refuse (``AnalysisTooLarge``) a privacy-loss grid of more than ``cap`` points."""
+    if points > cap:
+        raise AnalysisTooLarge(
+            "accountant", f"{what} needs a privacy-loss grid of about {points:.3g} points (at most {cap}); its noise "
+            "is too small for a numerical analysis at this resolution")
+
+
+def composed_points(pld: Any, count: int) -> int:
+    """Points of ``pld`` self-composed ``count`` times, before dp_accounting builds it: its own Chernoff bounds on
+    the truncated convolution (dense pmfs) or the full support (sparse ones), for both directions."""
+    from dp_accounting.pld import common
+
+    largest = 0
+    for pmf in (pld._pmf_remove, pld._pmf_add):  # dp_accounting keeps the two directions here
+        probs = getattr(pmf, "_probs", None)
+        if probs is not None:
+            lower, upper = common.compute_self_convolve_bounds(probs, count, 1e-15)
+            points = upper - lower + 1
+        else:
+            keys = list(getattr(pmf, "_loss_probs", {}) or [0])
+            points = (max(keys) - min(keys)) * count + 1
+        largest = max(largest, int(points))
+    return largest
 
 
 def spends_nothing(event: PrivacyEvent) -> bool:
@@ -296,18 +365,24 @@ def _rdp_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> f
 # --------------------------------------------------------------------------------------------- PLDs
 @functools.lru_cache(maxsize=256)
 def event_pld(event: PrivacyEvent):
-    """Pessimistic PLD (both adjacency directions) of one event, on the ``PLD_DISCRETIZATION`` grid."""
+    """Pessimistic PLD (both adjacency directions) of one event, on the ``PLD_DISCRETIZATION`` grid; refused
+    (``AnalysisTooLarge``) when its grid would exceed ``PLD_MAX_EVENT_POINTS``, before anything is built."""
+    check_grid(f"{event}", pld_grid_points(event), PLD_MAX_EVENT_POINTS)
+    return _build_pld(event, PLD_DISCRETIZATION)
+
+
+def _build_pld(event: PrivacyEvent, d: float):
     from dp_accounting import pld
     from dp_accounting.pld import privacy_loss_distribution as plds
 
-    d = PLD_DISCRETIZATION
     if isinstance(event, PoissonGaussianEvent):
         return plds.from_gaussian_mechanism(
             event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d
         )
     if isinstance(event, MixtureEvent):
         # PLD of (branch, output) is (1 - p) * point_mass(0) + p * PLD_q, for the add and the remove direction.
-        return event_pld(event.event).compute_mixture(plds.identity(d), event.probability)
+        inner = event_pld(event.event) if d == PLD_DISCRETIZATION else _build_pld(event.event, d)
+        return inner.compute_mixture(plds.identity(d), event.probability)
     if isinstance(event, LaplaceEvent):
         return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=d)
     if isinstance(event, ApproxDPEvent):
@@ -326,8 +401,40 @@ def event_pld(event: PrivacyEvent):
     raise ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
 
 
+# The coarse grid that predicts a composition's size has about this many points per event.
+_PREDICTION_POINTS = 20_000
+
+
+def predicted_composed_points(event: PrivacyEvent, count: int) -> int:
+    """Points of ``count`` self-compositions of ``event``'s PLD, predicted without building the fine grid: trivially
+    when ``count`` x the event's points fits ``PLD_MAX_POINTS``, else from the same composition bound on a grid
+    ``r`` times coarser (about ``_PREDICTION_POINTS`` points, milliseconds), times ``r``."""
+    points = pld_grid_points(event)
+    if points * count <= PLD_MAX_POINTS:
+        return points * count
+    ratio = max(1, points // _PREDICTION_POINTS)
+    coarse = event_pld(event) if ratio == 1 else _build_pld(event, PLD_DISCRETIZATION * ratio)
+    return composed_points(coarse, count) * ratio
+
+
 _COMPOSED_PLDS: "OrderedDict[tuple, Any]" = OrderedDict()
 _COMPOSED_CACHE_SIZE = 16
+
+
+def compose_sized(counted: Iterable[tuple[PrivacyEvent, int]], pld_of: Callable[[PrivacyEvent], Any], what: str = ""):
+    """``count`` self-compositions of ``pld_of(event)`` for every (event, count), composed; each result grid sized
+    (``check_grid``) before dp_accounting builds it. None for no events."""
+    result = None
+    for event, count in counted:
+        part = pld_of(event)
+        if count > 1:
+            check_grid(f"{count} x {event}{what}", composed_points(part, count))
+            part = part.self_compose(count)
+        if result is not None:
+            check_grid("the composed history", max(result._pmf_remove.size + part._pmf_remove.size,
+                                                   result._pmf_add.size + part._pmf_add.size))
+        result = part if result is None else result.compose(part)
+    return result
 
 
 def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
@@ -340,11 +447,10 @@ def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
     if key in _COMPOSED_PLDS:
         _COMPOSED_PLDS.move_to_end(key)
         return _COMPOSED_PLDS[key]
-    result = None
     for event, count in key:
-        part = event_pld(event)
-        part = part.self_compose(count) if count > 1 else part
-        result = part if result is None else result.compose(part)
+        if count > 1:  # predicted before the event's fine grid is built
+            check_grid(f"{count} x {event}", predicted_composed_points(event, count))
+    result = compose_sized(key, event_pld)
     _COMPOSED_PLDS[key] = result
     if len(_COMPOSED_PLDS) > _COMPOSED_CACHE_SIZE:
         _COMPOSED_PLDS.popitem(last=False)
@@ -369,6 +475,8 @@ def _check_prv(event: PrivacyEvent) -> None:
 def _prv_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
     from opacus.accountants import PRVAccountant
 
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
+
     accountant = PRVAccountant()
     for event, count in history:
         _check_prv(event)
@@ -378,6 +486,12 @@ def _prv_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> f
         return 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # Opacus' domain (PRVAccountant._get_domain, delta_error = delta / 1000), sized before it is discretised.
+        counts = [count for _, _, count in accountant.history]
+        prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in accountant.history]
+        half_width = compute_safe_domain_size(prvs, counts, eps_error=PRV_EPS_ERROR, delta_error=delta / 1000)
+        mesh = PRV_EPS_ERROR / math.sqrt(sum(counts) * math.log(12 / (delta / 1000)) / 2)
+        check_grid("the PRV domain", 2 * half_width / mesh)
         return max(0.0, float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR)))
 
 
@@ -438,15 +552,28 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
     return pure_epsilon + rho + 2 * math.sqrt(rho * math.log(1 / remaining))
 
 
+def _rdp_fallback(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
+    """The RDP bound of ``history`` where every spending event has a Renyi curve, else inf (the closed-form bound of
+    ``epsilon_for`` then answers): what a numerical analysis too large to build is replaced by."""
+    try:
+        return _rdp_epsilon([(e, c) for e, c in history if c and not spends_nothing(e)], delta)
+    except ValidationError:  # an (epsilon, delta) event: no Renyi curve
+        return math.inf
+
+
 def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechanism: Mechanism) -> float:
     """Epsilon at ``delta`` of the composition of ``count`` runs of each ``event``, by ``mechanism``.
 
     The result is the smaller of two upper bounds: the backend's and the closed-form one of ``_closed_form_epsilon``.
     The latter matters only at very large noise multipliers, where the numerical analyses hit their floors (the
     RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free.
+
+    Bounded in time and memory: ``delta`` above ``MAX_DELTA`` is refused (``check_delta``), and a PLD or PRV grid
+    larger than ``PLD_MAX_POINTS`` (tiny noise multipliers, sized before anything is built) is replaced by the RDP
+    bound, or the closed-form one for events without a Renyi curve; every answer is still an upper bound.
     """
     check_mechanism(mechanism)
-    check_probability("delta", delta, allow_one=False)
+    check_delta(delta)
     history = [(event, check_count("count", count)) for event, count in events]
     if delta == 0:
         return pure_epsilon(history)
@@ -459,7 +586,10 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
         for event, _ in history:
             check_analysable(event, mechanism)
         return 0.0
-    epsilon = _EPSILON_FUNCTIONS[mechanism](history, float(delta))
+    try:
+        epsilon = _EPSILON_FUNCTIONS[mechanism](history, float(delta))
+    except AnalysisTooLarge:  # a grid too large to build: the RDP bound (where every event has one) answers
+        epsilon = _rdp_fallback(history, float(delta))
     if any(c and not spends_nothing(e) for e, c in history):
         bound = _closed_form_epsilon(history, float(delta))
         epsilon = bound if epsilon == 0.0 else min(epsilon, bound)

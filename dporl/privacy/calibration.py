@@ -35,17 +35,21 @@ from dporl.privacy.accountants import (
     RDP_ORDERS,
     Mechanism,
     check_count,
+    check_delta,
     epsilon_for,
     rdp_curve,
     spends_nothing,
     within_budget,
 )
 from dporl.privacy.events import PoissonGaussianEvent, PrivacyEvent
-from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 # Beyond these the budget is meaningless for training (or the search would not terminate).
 SIGMA_RANGE = (1e-3, 1e6)
 STEP_SEARCH_LIMIT = 10**9
+# Accountant evaluations one search may make (each is bounded by the accountants' grid cap); the searches converge in
+# well under 60 on a monotone analysis, so reaching this means the analysis is not monotone here.
+MAX_EVALUATIONS = 200
 
 
 Events = Sequence[tuple[PrivacyEvent, int]]
@@ -53,7 +57,7 @@ Events = Sequence[tuple[PrivacyEvent, int]]
 
 def _check_budget(epsilon: float, delta: float) -> None:
     check_positive("epsilon", epsilon)
-    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    check_delta(delta)
 
 
 def _check_prior(prior: Events, epsilon: float, delta: float, mechanism: Mechanism) -> list[tuple[PrivacyEvent, int]]:
@@ -110,6 +114,12 @@ def rdp_step_guess(event: PrivacyEvent, epsilon: float, delta: float) -> Optiona
     return int(min(max(counts.max(), 0.0), STEP_SEARCH_LIMIT))
 
 
+def _count_evaluation(known: dict, what: str) -> None:
+    if len(known) >= MAX_EVALUATIONS:
+        raise ValidationError("accountant", f"the {what} search made {MAX_EVALUATIONS} accountant evaluations without "
+                              "converging (the analysis is not monotone for these parameters); refused")
+
+
 def _largest_fitting(spent: Callable[[int], float], epsilon: float, cap: int, guess: int) -> int:
     """Largest n in [0, cap] with ``spent(n)`` within ``epsilon``; ``spent`` is non-decreasing and spent(0) = 0.
 
@@ -122,6 +132,7 @@ def _largest_fitting(spent: Callable[[int], float], epsilon: float, cap: int, gu
 
     def fits(n: int) -> bool:
         if n not in known:
+            _count_evaluation(known, "steps")
             known[n] = spent(n)
         return within_budget(known[n], epsilon)
 
@@ -266,6 +277,7 @@ def _smallest_fitting_sigma(
 
     def fits(sigma: float) -> bool:
         if sigma not in known:
+            _count_evaluation(known, "noise multiplier")
             known[sigma] = spent(sigma)
         return within_budget(known[sigma], epsilon)
 

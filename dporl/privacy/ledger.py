@@ -66,6 +66,7 @@ from dporl.privacy.accountants import (
     adjacency,
     analysis_name,
     check_count,
+    check_delta,
     check_mechanism,
     epsilon_for,
     event_pld,
@@ -449,14 +450,14 @@ class PrivacyLedger:
             if len(budget) != 2:
                 raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
             eps = check_positive(f"ledger.{name}.budget.epsilon", budget[0])
-            bdelta = check_probability(f"ledger.{name}.budget.delta", budget[1], allow_one=False)
+            bdelta = check_delta(budget[1], f"ledger.{name}.budget.delta")
             if delta is not None and delta != bdelta:
                 raise ValidationError(f"ledger.{name}.delta", "a budgeted stage reports at its budget's delta")
             budget, delta = (eps, bdelta), bdelta
         elif delta is None:
             raise ValidationError(f"ledger.{name}.delta", "a stage without a budget needs the delta to report at")
         else:
-            delta = check_probability(f"ledger.{name}.delta", delta, allow_zero=False, allow_one=False)
+            delta = check_delta(delta, f"ledger.{name}.delta")
         cells = self._check_cells(name, cells)
         if self.budget is not None:
             self._check_fits_run(name, budget, cells)
@@ -887,5 +888,5 @@ def _check_budget(field: str, budget: Any) -> tuple[float, float]:
     if not isinstance(budget, (tuple, list)) or len(budget) != 2:
         raise ValidationError(field, f"expected (epsilon, delta), got {budget!r}")
     eps = check_positive(f"{field}.epsilon", budget[0])
-    delta = check_probability(f"{field}.delta", budget[1], allow_zero=False, allow_one=False)
+    delta = check_delta(budget[1], f"{field}.delta")
     return eps, delta

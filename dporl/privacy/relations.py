@@ -35,8 +35,13 @@ from dporl.privacy.accountants import (
     Mechanism,
     _closed_form_epsilon,
     adjacency,
+    AnalysisTooLarge,
     check_count,
+    check_delta,
+    check_grid,
+    compose_sized,
     epsilon_for,
+    pld_grid_points,
     spends_nothing,
     within_budget,
 )
@@ -49,7 +54,7 @@ from dporl.privacy.events import (
     ReplaceOneEvent,
 )
 from dporl.privacy.units import Relation
-from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 ADD_REMOVE, REPLACE_ONE = Relation.ADD_REMOVE, Relation.REPLACE_ONE
 RELATIONS = (ADD_REMOVE, REPLACE_ONE)
@@ -99,6 +104,7 @@ def replace_one_pld(event: PrivacyEvent):
     from dp_accounting.pld import privacy_loss_distribution as plds
 
     d = REPLACE_ONE_DISCRETIZATION
+    check_grid(f"{event} (replace-one)", pld_grid_points(event, d, sensitivity=2.0))  # sized before it is built
     if isinstance(event, PoissonGaussianEvent):
         return plds.from_gaussian_mechanism(
             event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d,
@@ -141,13 +147,12 @@ def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float
             counts[event] = counts.get(event, 0) + count
     if not counts:
         return 0.0
-    composed = None
-    for event, count in counts.items():
-        part = replace_one_pld(event)
-        part = part.self_compose(count) if count > 1 else part
-        composed = part if composed is None else composed.compose(part)
-    epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
     bound = _closed_form_epsilon([(doubled_sensitivity(e), c) for e, c in counts.items()], delta)
+    try:
+        composed = compose_sized(counts.items(), replace_one_pld, " (replace-one)")
+    except AnalysisTooLarge:  # a grid too large to build (tiny noise): the closed-form bound answers
+        return bound
+    epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
     return bound if epsilon == 0.0 else min(epsilon, bound)
 
 
@@ -160,7 +165,7 @@ def epsilon_for_relation(
     asked for replace-one is converted as the module docstring says; replace-one to add/remove is refused.
     """
     relation = check_relation("relation", relation)
-    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    check_delta(delta)
     history = [(event, check_count("count", count)) for event, count in history]
     native = relation_of(history)
     if native == relation:
@@ -192,7 +197,7 @@ def calibrate_for_relation(
     from scipy.optimize import brentq
 
     check_positive("epsilon", epsilon)
-    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    check_delta(delta)
     relation = check_relation("relation", relation)
     steps = check_count("steps", steps, minimum=1)
 

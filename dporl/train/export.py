@@ -10,7 +10,7 @@ A policy directory (``RUN/release/policy/``) holds exactly what the guarantee co
 No optimizer state, no generator state, no noise seed, no private count: a policy file is a function of the final
 iterate only. ``save_policy(module, directory, ...)`` writes it (atomically, file by file, ``policy.json`` last);
 ``load_policy(directory)`` reads it back weights-only, checking every declared size against bounds before it
-allocates anything, and the recorded hashes. ``GreedyQPolicy`` is a plain ``nn.Module`` with ``act(obs)``.
+allocates anything, the recorded hashes, and that its environment id names no module (``dporl.envs.registry``). ``GreedyQPolicy`` is a plain ``nn.Module`` with ``act(obs)``.
 
 TorchScript is what the issue asked for and runs in C++ (libtorch) too; torch 2.13 marks ``torch.jit`` deprecated
 in favour of ``torch.export``, so the state_dict + JSON pair is the format dporl itself reads and the one to rely
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dporl.algos.cql import check_mlp_sizes, mlp
+from dporl.envs.registry import check_no_module
 from dporl.utils.io import atomic_torch_save, atomic_write, atomic_write_json, load_weights, read_json, sha256_file
 from dporl.utils.validation import ValidationError
 
@@ -173,6 +174,8 @@ def load_policy(directory: str | Path, map_location: str | torch.device = "cpu")
         raise ValidationError("policy.version", f"unsupported version {spec.get('version')!r}")
     if spec.get("kind") != GreedyQPolicy.kind:
         raise ValidationError("policy.kind", f"unknown policy kind {spec.get('kind')!r} (known: {GreedyQPolicy.kind})")
+    if spec.get("env_id") is not None:
+        check_no_module("policy.env_id", spec["env_id"])  # a name, never a module to import
     architecture = spec.get("architecture")
     if not isinstance(architecture, dict) or architecture.get("activation", "relu") != "relu":
         raise ValidationError("policy.architecture", f"expected an MLP description, got {architecture!r}")

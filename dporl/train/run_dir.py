@@ -169,6 +169,9 @@ class RunDirectory:
             raise ValidationError("run_dir", f"{root} exists and is not a directory")
         if not root.exists() or not any(root.iterdir()):
             return False
+        if self.mode == "overwrite" and root.is_symlink():
+            raise ValidationError("run_dir", f"{root} is a symbolic link to {root.resolve()}: --overwrite never deletes "
+                                  "through a link; give the directory itself (nothing was deleted)")
         if self.mode == "new":
             raise ValidationError(
                 "run_dir",

@@ -67,15 +67,17 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
-        for option in args:
-            if option is type(None):
-                continue
+        errors: list[ValidationError] = []
+        options = [option for option in args if option is not type(None)]
+        for option in options:
             try:
                 return _coerce(option, value, path)
             except ValidationError as exc:
-                errors.append(str(exc))
-        raise ValidationError(path, f"{value!r} matches none of {tp}")
+                errors.append(exc)
+        if len(errors) == 1:  # Optional[X]: X's own error names the field and says what is wrong
+            raise errors[0]
+        reasons = "; ".join(f"as {_type_name(option)}: {str(exc)}" for option, exc in zip(options, errors))
+        raise ValidationError(path, f"{value!r} fits none of {' | '.join(map(_type_name, options))} ({reasons})")
     if origin is typing.Literal:
         if value not in args:
             raise ValidationError(path, f"must be one of {list(args)}, got {value!r}")
@@ -128,6 +130,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported config type {tp!r}")
 
 
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'a.b=3'`` -> (['a', 'b'], 3). The value is parsed as YAML, so ``x=[1,2]`` and ``y=null`` work."""
     if "=" not in text:
@@ -138,6 +144,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ValidationError(text, "override key is empty")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
+    except RecursionError:
+        raise ValidationError(key, f"value nests too deeply ({len(raw)} characters)") from None
     except yaml.YAMLError as exc:
         raise ValidationError(key, f"cannot parse value {raw!r}: {exc}") from None
     return key.split("."), value
@@ -170,6 +178,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ValidationError("config", f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ValidationError("config", f"{path} nests too deeply to be a configuration") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dporl.eval.ope_problems import ChainSettings, HIVSettings, MountainCarSettings
+from dporl.privacy.accountants import check_delta
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 
@@ -120,7 +121,7 @@ class OPEConfig:
             raise ValidationError("m_values", f"need dataset sizes >= 2, got {self.m_values}")
         check_probability("gamma", self.gamma, allow_one=False)
         check_positive("epsilon", self.epsilon)
-        check_probability("delta", self.delta, allow_zero=False, allow_one=False)
+        check_delta(self.delta)
         if self.delta * min(self.m_values) >= 1:  # the unit is one trajectory; m is declared, hence public
             raise ValidationError("delta", f"delta={self.delta:g} is not below 1/m for m = {min(self.m_values)} "
                                   "trajectories (m_values): a guarantee at such a delta allows releasing a whole "
