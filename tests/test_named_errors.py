@@ -251,7 +251,7 @@ def test_overwrite_still_regenerates_a_generation_inside_the_run_directory(tmp_p
     """Generated data inside the run directory are the run's own output: --overwrite regenerates them."""
     config = {
         "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / "run"), "epsilon": 10.0,
-        "delta": 1e-5, "batch_size": 8, "noise_seed": 1,
+        "delta": 1e-5, "batch_size": 2, "count_fraction": 0.5, "noise_seed": 1,  # 8 experts: a sharp count
         "data": {"generate": {"experts": {"env_id": "CartPole-v1", "family": "analytic", "points_per_axis": 2,
                                           "candidates_per_setting": 1, "keep_best": 1, "eval_episodes": 1},
                               "trajectories_per_expert": 1, "max_episode_steps": 20, "progress": False}},

@@ -118,9 +118,10 @@ class AnalysisTooLarge(ValidationError):
     """A numerical analysis would need a grid beyond ``PLD_MAX_POINTS``; ``epsilon_for`` answers with another bound."""
 
 
-def check_delta(delta: Any, field: str = "delta") -> float:
-    """A delta an (epsilon, delta) guarantee can use: in (0, MAX_DELTA]."""
-    delta = check_probability(field, delta, allow_zero=False, allow_one=False)
+def check_delta(delta: Any, field: str = "delta", allow_zero: bool = False) -> float:
+    """A delta an (epsilon, delta) guarantee can use: in (0, MAX_DELTA] (``allow_zero``: [0, MAX_DELTA], e.g. the
+    budget of a pure-DP stage)."""
+    delta = check_probability(field, delta, allow_zero=allow_zero, allow_one=False)
     if delta > MAX_DELTA:
         raise ValidationError(
             field, f"{delta:g} is too large for a guarantee: delta is the probability that the privacy protection fails "
@@ -573,7 +574,7 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
     bound, or the closed-form one for events without a Renyi curve; every answer is still an upper bound.
     """
     check_mechanism(mechanism)
-    check_delta(delta)
+    check_delta(delta, allow_zero=True)
     history = [(event, check_count("count", count)) for event, count in events]
     if delta == 0:
         return pure_epsilon(history)

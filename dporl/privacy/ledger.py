@@ -450,7 +450,7 @@ class PrivacyLedger:
             if len(budget) != 2:
                 raise ValidationError(f"ledger.{name}.budget", f"expected (epsilon, delta), got {budget!r}")
             eps = check_positive(f"ledger.{name}.budget.epsilon", budget[0])
-            bdelta = check_delta(budget[1], f"ledger.{name}.budget.delta")
+            bdelta = check_delta(budget[1], f"ledger.{name}.budget.delta", allow_zero=True)
             if delta is not None and delta != bdelta:
                 raise ValidationError(f"ledger.{name}.delta", "a budgeted stage reports at its budget's delta")
             budget, delta = (eps, bdelta), bdelta
