@@ -581,10 +581,14 @@ def _plots(config: FNQPipelineConfig, rows: list[dict], out_dir: Path) -> list[s
 
 
 def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
+    with RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode) as directory:
+        return _run(config, directory)
+
+
+def _run(config: FNQPipelineConfig, directory: RunDirectory) -> dict:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
-    directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
     specs = plan(config)
     ctx = context(config)
     for spec in specs:  # calibrations (and their refusals) before the first write
