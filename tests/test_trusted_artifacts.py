@@ -166,22 +166,25 @@ def test_failure2_a_changed_config_never_overwrites_the_data(logged, tmp_path, c
 
 
 # ------------------------------------------------------------------------------------------------ failure 3
-def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("crash_on", ["release.json", "release_runs.json"])
+def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys,
+                                                                        crash_on):
     """Failure 3 (release): a crash between writing D_stable and the ledger produced two releases, of which the
-    ledger counted one. Now the release's events are journaled before any query; a resumed run finds an
-    authorised, unfinished release and refuses a second one."""
+    ledger counted one. The release's events are journaled before any query; a resumed run that finds an
+    authorised, unfinished release refuses a second one, and reuses it only when its released files were all
+    written (D_stable and release.json; the curator's release_runs.json is diagnostics)."""
     import dporl.utils.io as io
 
     run = tmp_path / "run"
     config = _config(logged, run)
     original = io.atomic_write_json
 
-    def crash_on_the_curator_record(path, payload):  # after D_stable, before the release is marked complete
-        if Path(path).name == "release_runs.json":
+    def crash_on_the_record(path, payload):  # after D_stable, before the release is marked complete
+        if Path(path).name == crash_on:
             raise RuntimeError("killed while writing the release")
         return original(path, payload)
 
-    monkeypatch.setattr(io, "atomic_write_json", crash_on_the_curator_record)
+    monkeypatch.setattr(io, "atomic_write_json", crash_on_the_record)
     with pytest.raises(RuntimeError, match="killed"):
         _train(tmp_path, config)
     monkeypatch.setattr(io, "atomic_write_json", original)
@@ -190,9 +193,17 @@ def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, t
     assert stage.name == "release" and sum(count for _, count in stage.events) == 5  # T runs, journaled first
     before = _files(run)
     capsys.readouterr()
-    assert _train(tmp_path, config, "--resume") == 2
-    assert "error: release: an earlier attempt of this run authorised the stable-prefix release" in capsys.readouterr().err
-    assert _files(run) == before  # no second release
+    if crash_on == "release.json":  # the release's public summary was never written: refused, nothing changes
+        assert _train(tmp_path, config, "--resume") == 2
+        assert "error: release: an earlier attempt of this run authorised the stable-prefix release" in \
+            capsys.readouterr().err
+        assert _files(run) == before  # no second release
+        return
+    assert _train(tmp_path, config, "--resume") == 0
+    assert "reusing it (charged once, never run again)" in capsys.readouterr().err
+    assert (run / "release" / "d_stable.npz").read_bytes() == before[run / "release" / "d_stable.npz"]
+    stages = {s.name: s for s in read_journal(run / "curator" / "journal.json").report().stages}
+    assert sum(count for _, count in stages["release"].events) == 5  # charged once
 
 
 def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_recorded(logged, tmp_path, capsys):

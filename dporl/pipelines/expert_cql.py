@@ -51,6 +51,7 @@ diagnostics: which expert each run followed, the full summary, generated data by
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -276,6 +277,11 @@ def run_release(
                                   "recorded: refusing to train on them")
         return stable, manifest["public"]
     if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
+        check_recorded(ledger, RELEASE_STAGE, [e for e, _ in expected_history], run.journal_path,
+                       exactly=sum(c for _, c in expected_history))
+        written = _written_release(run, plan, config)
+        if written is not None:  # stopped after its files, before its completion mark: the paid release, reused
+            return written
         raise PrivacyBudgetError(
             "release",
             f"an earlier attempt of this run authorised the stable-prefix release (its events are charged in "
@@ -296,6 +302,32 @@ def run_release(
     public = result.summary()
     run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
     return result.stable, public
+
+
+def _written_release(run: RunDirectory, plan: ReleasePlan, config: ExpertCQLConfig
+                     ) -> Optional[tuple[TrajectoryDataset, dict[str, Any]]]:
+    """The release an earlier attempt charged and wrote whole (D_stable, then release.json: each written atomically)
+    but did not mark complete, or None when its files are not all there. Its public summary must be the one this
+    configuration's plan produces; it is then marked complete, never run again."""
+    d_stable, summary = run.release / "d_stable.npz", run.release / "release.json"
+    if not (d_stable.is_file() and summary.is_file()):
+        return None
+    stable = TrajectoryDataset.load(d_stable)
+    public = read_json(summary, "release")
+    expected = {"source": plan.source, "runs": plan.trajectories, "released_prefixes": stable.n_episodes,
+                "stable_transitions": stable.n_transitions, "epsilon_prime": plan.budget.epsilon_prime,
+                "beta": plan.budget.beta, "threshold": plan.budget.threshold, "noise_scale": plan.budget.noise_scale}
+    if not isinstance(public, dict) or any(public.get(key) != value for key, value in expected.items()) \
+            or stable.n_episodes > plan.trajectories:
+        raise ValidationError("release", f"{summary} does not describe the release this configuration charged: "
+                              "refusing to train on it or to release again. Start a new run_dir (or --overwrite)")
+    if not (run.curator / "release_runs.json").is_file():
+        print("release: the curator's record of which expert each run followed was not written before the stop; "
+              "it is lost (the release itself is whole)", file=sys.stderr)
+    print("release: an earlier attempt charged and wrote the stable-prefix release but stopped before marking it "
+          "complete: reusing it (charged once, never run again)", file=sys.stderr)
+    run.complete(RELEASE_STAGE, {"public": public, "d_stable": stable.fingerprint()})
+    return stable, public
 
 
 def check_recorded(ledger: PrivacyLedger, stage: str, events: list, journal: Path,
