@@ -179,7 +179,7 @@ def test_a_deleted_journal_is_refused_and_nothing_paid_runs_again(logged, tmp_pa
     assert released_bytes(run) == released  # the paid release was not run again
 
 
-def test_a_journal_put_back_from_an_earlier_point_is_refused(logged, tmp_path, monkeypatch, capsys):
+def test_a_checkpoint_or_chain_head_ahead_of_a_journal_put_back_is_refused(logged, tmp_path, monkeypatch, capsys):
     config = crashed_run(logged, tmp_path, monkeypatch, step=25)
     run = tmp_path / "run"
     older = {name: (run / "curator" / name).read_bytes() for name in ("journal.json", "provenance.json")}
@@ -236,7 +236,7 @@ def test_a_journal_edited_down_is_refused_by_name(logged, tmp_path, monkeypatch,
             edit(journal)
             journal["completed"]["release"]["journal"]["charged"]["release"] = 1
         forge(run, everything)
-        (run / "curator" / "checkpoints" / "last.pt").unlink()
+        (run / "curator" / "checkpoints" / "last.pt").unlink(missing_ok=True)
     capsys.readouterr()
     assert train(config, "--resume") == 2
     out, err = capsys.readouterr()
@@ -261,7 +261,7 @@ def test_release_files_without_their_journal_events_are_refused(logged, tmp_path
         j["ledger"]["stages"] = [s for s in j["ledger"]["stages"] if s["name"] not in ("release", "train")]
         j["completed"] = {}
     forge(run, before_release)
-    (run / "curator" / "checkpoints" / "last.pt").unlink()
+    (run / "curator" / "checkpoints" / "last.pt").unlink(missing_ok=True)
     capsys.readouterr()
     assert train(config, "--resume") == 2
     err = capsys.readouterr().err

@@ -210,11 +210,11 @@ def _run_child(fault: str, delay: float, log: Path, config: Path, resume: bool, 
     return process.returncode, out, err, time.monotonic() - started
 
 
-def _log(log: Path) -> tuple[list[int], dict[int, set[str]], int]:
-    """(steps begun, per step the parameter hashes its ends produced, releases begun)."""
+def _log(log: Path, skip: int = 0) -> tuple[list[int], dict[int, set[str]], int]:
+    """(steps begun, per step the parameter hashes its ends produced, releases begun), from line ``skip`` on."""
     begun, ends, releases = [], {}, 0
     if log.exists():
-        for line in log.read_text().splitlines():
+        for line in log.read_text().splitlines()[skip:]:
             parts = line.split()
             if parts[:1] == ["begin"]:
                 begun.append(int(parts[1]))
@@ -248,6 +248,7 @@ def run_trial(number: int, rng: np.random.Generator, work: Path, data, kills: in
     finished = None
     for attempt in range(kills if faults is None else len(faults)):
         fault, delay = draw_fault(rng, steps, window) if faults is None else (faults[attempt], 0.0)
+        lines_before = len(log.read_text().splitlines()) if log.exists() else 0
         code, out, err, _ = _run_child(fault, delay, log, config, resume)
         resume = True
         if code != -signal.SIGKILL:  # the fault point was never reached: the run ended by itself
@@ -264,8 +265,9 @@ def run_trial(number: int, rng: np.random.Generator, work: Path, data, kills: in
                     charged.get("release", 0))
         kill.write_ahead_ok = kill.charged >= kill.began and (not kill.release_began or
                                                                kill.release_charged == T_RELEASE)
-        kill.phase = ("startup" if not kill.release_began else "release" if kill.began == 0 else
-                      "training" if kill.began < steps else "final writes")
+        mine, _, released_now = _log(log, lines_before)  # what this attempt did before it died
+        kill.phase = ("training" if mine and max(mine) < steps else "final writes" if mine else
+                      "release" if released_now else "startup")
         if not kill.write_ahead_ok:
             trial.failures.append(f"after kill {attempt} ({fault}): began step {kill.began}, charged {kill.charged}; "
                                   f"release began {kill.release_began}, charged {kill.release_charged}")

@@ -93,7 +93,7 @@ def terminate_as_interrupt() -> Iterator[None]:
         return
 
     def stop(signum, frame):
-        raise Interrupted(signum)
+        raise Interrupted(signum, "before it finished")
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
