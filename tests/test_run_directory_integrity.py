@@ -111,30 +111,43 @@ def stage_entry(journal: dict, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ one process
-def test_a_second_process_on_a_run_directory_is_refused_by_the_lock_before_any_query(logged, tmp_path):
-    config = write_config(logged, tmp_path)
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "dporl", "train", "--config", str(config), "--resume"]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    deadline = time.monotonic() + 120
-    while not run.exists() and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert first.poll() is None, "the first run ended before the second could start"
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-2000:]
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert f"run_dir: another dporl process (pid {first.pid}) holds this run directory" in second.stderr
-    assert "stable-prefix release" not in second.stdout  # refused before any query
+# Two `dporl train` processes, imports done, each waiting for the same go file: they start the run together.
+READY_THEN_TRAIN = """
+import os, sys, time
+import dporl.pipelines.expert_cql  # noqa: F401  (imports first, so that both start at the go signal)
+from dporl.cli import main
+go = sys.argv[1]
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.002)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_two_processes_started_together_on_one_run_directory_exactly_one_runs(logged, tmp_path):
+    config = write_config(logged, tmp_path, max_steps=200)
+    run, go = tmp_path / "run", tmp_path / "go"
+    command = [sys.executable, "-c", READY_THEN_TRAIN, str(go), "train", "--config", str(config), "--resume"]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                 for _ in range(2)]
+    for process in processes:
+        assert process.stdout.readline().strip() == "ready"
+    go.touch()
+    results = [(process, *process.communicate(timeout=600)) for process in processes]
+    codes = sorted(process.returncode for process, _, _ in results)
+    assert codes == [0, 2], [err[-2000:] for _, _, err in results]
+    (winner, _, _), (loser, out, err) = sorted(results, key=lambda r: r[0].returncode)
+    assert f"run_dir: another dporl process (pid {winner.pid}) holds this run directory" in err
+    assert "stable-prefix release" not in out  # refused before any query
     # One release, charged once; the released policy was trained on the released D_stable.
-    assert charged(run) == {"release": 5, "train": STEPS}
+    assert charged(run) == {"release": 5, "train": 200}
     journal = json.loads((run / "curator" / "journal.json").read_text())
     from dporl.data.dataset import TrajectoryDataset
 
     stable = TrajectoryDataset.load(run / "release" / "d_stable.npz")
     assert stable.fingerprint() == journal["completed"]["release"]["d_stable"]
     summary = json.loads((run / "release" / "summary.json").read_text())
-    assert summary["stable_transitions"] == stable.n_transitions
+    assert summary["stable_transitions"] == stable.n_transitions and summary["steps"] == 200
     assert not list(tmp_path.glob(".run.*lock"))  # released at the end
 
 
