@@ -64,10 +64,10 @@ def resume_command(argv: Optional[list[str]] = None) -> str:
     import shlex
 
     words = list(sys.orig_argv if argv is None else argv)
-    if words and Path(words[0]).name.startswith("python"):
+    if len(words) > 1 and Path(words[1]).name == "dporl":  # the installed console script
+        words = ["dporl", *words[2:]]
+    elif words and Path(words[0]).name.startswith("python"):
         words[0] = "python"
-    elif words:
-        words[0] = Path(words[0]).name if Path(words[0]).name == "dporl" else words[0]
     kept = [w for w in words if w not in ("--overwrite", "--resume")]
     return shlex.join(kept + ["--resume"])
 

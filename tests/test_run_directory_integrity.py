@@ -292,12 +292,13 @@ def test_an_interrupt_finishes_the_step_checkpoints_and_resume_loses_no_paid_ste
     journal = run / "curator" / "journal.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if charged(run).get("train", 0) >= 20:  # training is under way
-                break
-        except Exception:  # not written yet, or mid-replace
+        try:  # the charges as recorded (read_journal would also analyse them: too slow to poll)
+            stages = json.loads(journal.read_text())["ledger"]["stages"]
+            if sum(c for s in stages if s["name"] == "train" for _, c in s["accountant"]["history"]) >= 20:
+                break  # training is under way
+        except (OSError, ValueError, KeyError):  # not written yet
             pass
-        time.sleep(0.02)
+        time.sleep(0.01)
     process.send_signal(signum)
     out, err = process.communicate(timeout=120)
     assert process.returncode == code, err[-3000:]
@@ -312,13 +313,23 @@ def test_an_interrupt_finishes_the_step_checkpoints_and_resume_loses_no_paid_ste
     assert command[:3] == ["python", "-m", "dporl"] and command.count("--resume") == 1
     resumed = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=600, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resume: stage 'train': {stopped} steps trained" in resumed.stdout
-    assert f"{total - stopped} steps to come (of {total})" in resumed.stdout
+    assert f"resume: stage 'train': {stopped} steps trained" in resumed.stderr
+    assert f"{total - stopped} steps to come (of {total})" in resumed.stderr
     # No paid step lost: the model was trained for exactly the steps the journal charged.
     summary = json.loads((run / "release" / "summary.json").read_text())
     assert summary["steps"] == charged(run)["train"] == total
     assert load_checkpoint(run / "curator" / "checkpoints" / "last.pt")["step"] == total
     assert journal.exists()
+
+
+def test_the_resume_hint_is_the_command_that_was_run_with_one_resume():
+    from dporl.cli import resume_command
+
+    assert resume_command(["/usr/bin/python3.11", "-m", "dporl", "train", "--config", "my runs.yaml", "--overwrite",
+                           "epsilon=1"]) == "python -m dporl train --config 'my runs.yaml' epsilon=1 --resume"
+    assert resume_command(["/venv/bin/python", "/venv/bin/dporl", "train", "--config", "c.yaml", "--resume"]) == \
+        "dporl train --config c.yaml --resume"
+    assert resume_command(["python3", "train.py", "--config", "c.yaml"]) == "python train.py --config c.yaml --resume"
 
 
 def test_temporary_files_of_killed_writes_are_removed_on_resume(logged, tmp_path, monkeypatch, capsys):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,7 +472,8 @@ class Trainer:
         ahead = min(unrun, tail_count) if tail_event == event else 0
         if unrun > ahead:
             print(f"resume: stage {self.stage!r}: {unrun - ahead} charged steps were authorised under another "
-                  "per-step event and cannot be replayed under this run's: they stay charged and are lost")
+                  "per-step event and cannot be replayed under this run's: they stay charged and are lost",
+                  file=sys.stderr)
         cap = STEP_SEARCH_LIMIT if self.config.max_steps is None else max(self.config.max_steps - charged, 0)
         return charged, ahead, checkpointed + ahead + self.ledger.remaining(self.stage, event, cap)
 
@@ -480,7 +482,7 @@ class Trainer:
         replay = (f"; {ahead} charged steps are not in the checkpoint: they run first, from it, with the secret "
                   "randomness they were charged for (charged once)" if ahead else "")
         print(f"resume: stage {self.stage!r}: {step} steps trained, {charged if self.dp is not None else step} "
-              f"charged{replay}; {max(total - step, 0)} steps to come (of {total})")
+              f"charged{replay}; {max(total - step, 0)} steps to come (of {total})", file=sys.stderr)
     def _step(
         self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer, diagnostics: bool = True
     ) -> dict[str, float]:
