@@ -421,3 +421,16 @@ def test_a_file_written_earlier_refuses_a_journal_charging_less_or_other_events(
             with pytest.raises(ValidationError, match=message) as info:
                 directory.check_witness({**witness, **changed}, "a checkpoint")
             assert info.value.field == "journal"
+
+
+def test_a_completion_manifest_records_its_witness_and_returns_what_was_given(tmp_path):
+    run = _journaled(tmp_path / "run")
+    with RunDirectory(run.root, pipeline="p", config=CONFIG, mode="resume") as directory:
+        directory.begin()
+        directory.ledger()
+        directory.complete("evaluation", {"value": 1.5})
+        assert directory.completed("evaluation") == {"value": 1.5}  # what a pipeline publishes: no witness in it
+    stored = json.loads(run.journal_path.read_text())["completed"]["evaluation"]
+    assert stored == {"value": 1.5, "journal": {"seq": 3, "charged": {"s": 3}}}
+    with RunDirectory(run.root, pipeline="p", config=CONFIG, mode="resume") as directory:
+        assert directory.completed("evaluation") == {"value": 1.5}

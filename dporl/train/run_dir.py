@@ -387,8 +387,9 @@ class RunDirectory:
         return self.mode == "resume" and self.existing and self.summary_path.is_file()
 
     def completed(self, name: str) -> Optional[dict[str, Any]]:
-        """The manifest ``complete(name, ...)`` journaled, or None."""
-        return self._completed.get(name)
+        """The manifest ``complete(name, ...)`` journaled (as given, without the journal witness), or None."""
+        manifest = self._completed.get(name)
+        return None if manifest is None else {k: v for k, v in manifest.items() if k != "journal"}
 
     # ------------------------------------------------------------------ writes
     def prepare(self) -> "RunDirectory":
