@@ -338,6 +338,7 @@ def test_temporary_files_of_killed_writes_are_removed_on_resume(logged, tmp_path
     left = [run / "release" / ".d_stable.npz.k3x9_a2q.tmp.npz", run / "curator" / "checkpoints" / ".last.pt.ab12cd34.tmp",
             run / "curator" / ".journal.json.zz99yy88.tmp"]
     for path in left:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")
     assert train(config, "--resume") == 0
     assert not [path for path in left if path.exists()]
