@@ -140,7 +140,8 @@ def test_two_processes_started_together_on_one_run_directory_exactly_one_runs(lo
     assert f"run_dir: another dporl process (pid {winner.pid}) holds this run directory" in err
     assert "stable-prefix release" not in out  # refused before any query
     # One release, charged once; the released policy was trained on the released D_stable.
-    assert charged(run) == {"release": 5, "train": 200}
+    # (the unit count: the noisy count and the failure probability of its lower bound, which the release uses)
+    assert charged(run) == {"unit_count": 2, "release": 5, "train": 200}
     journal = json.loads((run / "curator" / "journal.json").read_text())
     from dporl.data.dataset import TrajectoryDataset
 

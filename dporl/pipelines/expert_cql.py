@@ -355,12 +355,7 @@ def run_release(
             f"{run.journal_path}) but did not finish writing it; a second release would not fit the budget. Start a "
             "new run_dir (or --overwrite: the interrupted attempt's spend is then not part of the new guarantee)",
         )
-    left = [name for name in ("d_stable.npz", "release.json") if (run.release / name).exists()]
-    if left:
-        raise ValidationError(
-            "release", f"{run.release} holds {', '.join(left)} but the journal records no release: a release "
-            "artifact without its journal events; refusing to release again. Start a new run_dir (or --overwrite)"
-        )
+    check_no_orphan_release(run, ledger)
     result = release_stable_prefixes(
         dataset, experts, epsilon=budget[0], delta=budget[1], config=config.release, root=root, ledger=ledger,
         progress=config.trainer.progress, units=units,
@@ -372,6 +367,19 @@ def run_release(
     public = result.summary()
     run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
     return result.stable, public
+
+
+def check_no_orphan_release(run: RunDirectory, ledger: PrivacyLedger) -> None:
+    """Refuse release files that no journal event pays for (checked before the run spends anything): a journal put
+    back from before the release, or files copied in; releasing again would leave the first release uncounted."""
+    if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
+        return
+    left = [name for name in ("d_stable.npz", "release.json") if (run.release / name).exists()]
+    if left:
+        raise ValidationError(
+            "release", f"{run.release} holds {', '.join(left)} but the journal records no release: a release "
+            "artifact without its journal events; refusing to release again. Start a new run_dir (or --overwrite)"
+        )
 
 
 def _written_release(run: RunDirectory, plan: ReleasePlan, config: ExpertCQLConfig
@@ -631,6 +639,9 @@ def _preflight(
     parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     held_out = plan is not None and plan.train_cells is not None
     checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
+    if TRAIN_STAGE in budgets and config.trainer.max_steps == 0:
+        raise ValidationError("trainer.max_steps", "a private training stage needs at least one step (or null: as "
+                              "many as the budget allows)")
     if TRAIN_STAGE in budgets and config.delta * config.batch_size >= 1:  # B <= m is required: delta < 1/B is too
         raise ValidationError("delta", f"delta={config.delta:g} is not below 1/batch_size = 1/{config.batch_size}, "
                               "so not below 1/n for any number of units n DP-SGD can sample from; lower delta")
@@ -692,6 +703,8 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
     if partition is not None:
         ledger.partition(partition)  # the run's one split of the units (a keyed hash of their ids)
     units, sigma, released_count = checked.units, checked.sigma, None
+    if RELEASE_STAGE in budgets:
+        check_no_orphan_release(run, ledger)  # before the count: a refused resume spends nothing
     count = config.count_plan(plan)
     if count is not None:  # the first spend: everything count-dependent is derived from its released value
         released_count = count_once(run, ledger, root, count, dataset, partition)
