@@ -320,7 +320,7 @@ def test_failure5_the_release_carries_no_secret(logged, tmp_path, capsys):
     assert _train(tmp_path, _config(logged, run)) == 0
     release = run / "release"
     policy = load_policy(release / "policy")  # plain weights, weights-only
-    assert torch.load(release / "policy" / "weights.pt", weights_only=True).keys() == policy.q_network.state_dict().keys()
+    assert torch.load(release / "policy" / "weights.pt", weights_only=True).keys() == policy.network.state_dict().keys()
     checkpoint = load_checkpoint(run / "curator" / "checkpoints" / "last.pt")
     secrets = [SEED.to_bytes(16, "little"), SEED.to_bytes(16, "little")[:8], str(SEED).encode(), hex(SEED).encode()]
     secrets += _secret_byte_windows(checkpoint)

@@ -29,12 +29,12 @@ user changing the source) are such steps counted as charged and lost, and the ru
 Interrupts (``dporl.train.interrupt``): SIGINT / SIGTERM finish the step in flight, checkpoint, and raise
 ``Interrupted`` (the command line prints where it stopped and the command that continues it).
 
-An algorithm is an ``nn.Module`` with a ``privacy_unit`` and either
-``row_losses(batch) -> Tensor[n_rows]`` (autograd; the engine clips per unit), or
-``weighted_row_losses(batch) -> (Tensor[n_rows], Tensor[n_rows])`` (row losses and weights |w| <= 1 that scale each
-unit's gradient after clipping: reward-level Q-learning's clipped-TD semi-gradient), or
-``unit_directions(batch) -> Tensor[n_units, D]`` (closed-form update directions, e.g. GPOPE), and optionally
-``on_step_end(step)`` (target-network updates and other post-processing). It never adds noise itself.
+An algorithm is a ``dporl.algos.base.PrivateAlgorithm``: it declares its privacy unit, the batch keys it reads and
+its loss form, and the loop dispatches on that declaration: ``row_losses(batch)`` (autograd; the engine clips per
+unit), ``weighted_row_losses(batch)`` (row losses and weights |w| <= 1 that scale each unit's gradient after
+clipping: reward-level Q-learning's clipped-TD semi-gradient) or ``unit_directions(batch)`` (closed-form update
+directions, e.g. GPOPE, clipped as whole vectors), then ``on_step_end(step)`` (target-network updates and other
+post-processing). It never adds noise itself.
 
 Accounting: every step records the source's per-step event (a mixture event for Algorithm 3, whatever branch
 the step took), because the analysis is of the mechanism the sampler runs, not of the branch it happened to draw;
@@ -54,6 +54,7 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm, declaration_of
 from dporl.logging import CURATOR_PREFIX, RunLogger
 from dporl.privacy.calibration import STEP_SEARCH_LIMIT, calibrate_noise_multiplier, max_steps
 from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
@@ -172,7 +173,7 @@ class Trainer:
 
     def __init__(
         self,
-        algorithm: nn.Module,
+        algorithm: PrivateAlgorithm,
         source: Any,
         *,
         config: TrainerConfig,
@@ -186,9 +187,8 @@ class Trainer:
         public_evaluators: Collection[str] = (),
         secret_root: Optional[SecretRoot] = None,
     ):
-        if not any(hasattr(algorithm, name) for name in ("row_losses", "weighted_row_losses", "unit_directions")):
-            raise ValidationError("algorithm", "needs row_losses(batch), weighted_row_losses(batch) or unit_directions(batch)")
-        _check_same_unit(algorithm, source)  # before anything is written
+        self.declaration = declaration_of(algorithm)  # a ContractError before anything is written
+        _check_same_unit(algorithm, source)
         self.algorithm = algorithm
         self.source = source
         self.config = config
@@ -241,7 +241,7 @@ class Trainer:
     def _open_stage(self) -> None:
         """The private stage of this run, in the ledger: budget, analysis and the privacy unit (the source's grouping
         owns it: an algorithm declaring another unit was refused at construction, ``_check_same_unit``)."""
-        unit = getattr(self.algorithm, "privacy_unit", None)
+        unit = self.algorithm.privacy_unit
         if unit is None:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
         unit = as_unit(unit)
@@ -328,7 +328,7 @@ class Trainer:
                 expected_batch_size=self.source.expected_batch_size,
                 noise=noise,
                 # Closed-form directions are clipped as whole vectors: no per-layer tape, any parameter type.
-                mode="naive" if hasattr(self.algorithm, "unit_directions") else self.dp.clipping,
+                mode="naive" if self.declaration.loss_form is LossForm.UNIT_DIRECTIONS else self.dp.clipping,
             )
             self._engine = engine
             self._open_stage()
@@ -375,8 +375,7 @@ class Trainer:
                     step += 1
                     budget_steps += 1
                     progress.update(1)
-                    if hasattr(self.algorithm, "on_step_end"):
-                        self.algorithm.on_step_end(step)
+                    self.algorithm.on_step_end(step)
                     if step % config.log_every == 0:
                         now = time.perf_counter()
                         public.scalars({"train/lr": optimizer.param_groups[0]["lr"]}, step)
@@ -495,7 +494,7 @@ class Trainer:
         """One optimizer step; curator diagnostics (raw losses, clip statistics) only when ``diagnostics``."""
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
-        closed_form = hasattr(self.algorithm, "unit_directions")
+        closed_form = self.declaration.loss_form is LossForm.UNIT_DIRECTIONS
         values: dict[str, float] = {}
         if batch.private:
             if engine is None:
@@ -531,9 +530,9 @@ class Trainer:
         return values
 
     def _row_losses(self, batch: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(row losses, row weights or None): ``weighted_row_losses`` when the algorithm has it (weights scale each
-        unit's gradient after clipping, see ``DPSGDEngine.private_backward``), else ``row_losses``."""
-        if hasattr(self.algorithm, "weighted_row_losses"):
+        """(row losses, row weights or None), as the algorithm's loss form declares: weighted row losses (weights
+        scale each unit's gradient after clipping, see ``DPSGDEngine.private_backward``) or plain ones."""
+        if self.declaration.loss_form is LossForm.WEIGHTED_ROW_LOSSES:
             return self.algorithm.weighted_row_losses(batch)
         return self.algorithm.row_losses(batch), None
 
@@ -600,9 +599,9 @@ class Trainer:
             raise ValidationError("checkpoint.eval_history", f"malformed: {exc}") from None
 
 
-def _check_same_unit(algorithm: nn.Module, source: Any) -> None:
+def _check_same_unit(algorithm: PrivateAlgorithm, source: Any) -> None:
     """The source's grouping owns the privacy unit: an algorithm declaring another one is refused."""
-    declared, grouped = getattr(algorithm, "privacy_unit", None), getattr(source, "unit", None)
+    declared, grouped = algorithm.privacy_unit, getattr(source, "unit", None)
     if declared is None or grouped is None:
         return
     declared, grouped = as_unit(declared), as_unit(grouped)
