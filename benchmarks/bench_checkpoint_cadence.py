@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.samplers import PoissonUnitSource
 from dporl.train.config import DPConfig, TrainerConfig
@@ -28,8 +29,11 @@ from dporl.train.trainer import Trainer
 UNITS, RATE = 1000, 0.256
 
 
-class Regression(nn.Module):
+class Regression(PrivateAlgorithm):
     privacy_unit = "transition"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("x", "y")
+    policy_kind = None
 
     def __init__(self):
         super().__init__()

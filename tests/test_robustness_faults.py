@@ -24,6 +24,7 @@ TOY = textwrap.dedent(
     """
     import os, torch
     from torch import nn
+    from dporl.algos.base import LossForm, PrivateAlgorithm
     from dporl.privacy.ledger import PrivacyLedger
     from dporl.privacy.samplers import PoissonUnitSource
     from dporl.train.config import DPConfig, TrainerConfig
@@ -31,8 +32,11 @@ TOY = textwrap.dedent(
 
     torch.set_num_threads(1)
 
-    class Toy(nn.Module):
+    class Toy(PrivateAlgorithm):
         privacy_unit = "transition"
+        loss_form = LossForm.ROW_LOSSES
+        batch_keys = ("x", "y")
+        policy_kind = None
 
         def __init__(self, step_log=None, crash_at=None):
             super().__init__()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.privacy.calibration import max_steps
 from dporl.privacy.events import MixtureEvent
 from dporl.privacy.ledger import PrivacyLedger
@@ -23,8 +24,11 @@ torch.set_num_threads(1)
 N_ROWS, DELTA = 200, 1e-5
 
 
-class LogisticRegression(nn.Module):
+class LogisticRegression(PrivateAlgorithm):
     privacy_unit = "transition"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("x", "y")
+    policy_kind = None
 
     def __init__(self, crash_at: int | None = None):
         super().__init__()

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.audit.experiment import Experiment
 from dporl.privacy.accountants import analysis_name, epsilon_for, paper_mixture_epsilon
 from dporl.privacy.dpsgd import DPSGDEngine
@@ -50,11 +51,14 @@ def step_event_factory(sample_rate: float, private_probability: float | None = N
     return MixtureSource(private_probability, private, UniformBatchSource(dummy, 1)).step_event
 
 
-class IndependentSteps(nn.Module):
+class IndependentSteps(PrivateAlgorithm):
     """``trials`` independent linear models as one module. An observation's last coordinate is the trial copy it
     belongs to (``canary_dataset(copies=...)``); row r's loss is -w_{trial(r)} . features(r), features = the rest."""
 
     privacy_unit = "expert"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("obs",)
+    policy_kind = None
 
     def __init__(self, trials: int, dim: int):
         super().__init__()
