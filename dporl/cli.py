@@ -1,6 +1,8 @@
 """The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
 
     dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl sweep --config configs/sweep_X.yaml [--from-runs RUNS_CSV ...] [key=value ...]
+    dporl list                                  the pipelines, algorithms and methods dporl knows
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
@@ -14,6 +16,12 @@ found there if its provenance (config and input hashes) equals this one's and na
 ``--overwrite`` replaces it after the new config and inputs were validated. stdout ends with the headline metrics
 and the guarantee; the full config and summaries go to the run directory (``--json`` prints the whole public
 summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
+
+``sweep``: a "train" config over budgets x methods x seeds (``dporl.pipelines.sweep``); ``--from-runs`` tabulates
+earlier sweeps' runs instead of running.
+
+``list``: every pipeline, every registered algorithm (``dporl.algos.registry``: its loss form, the batch keys it
+reads, the policy it releases, its Python API config) and every method (``dporl.methods``).
 
 ``evaluate``: returns of a released policy in its public simulator, from ``RUN/release/`` alone (post-processing: no
 privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
@@ -38,7 +46,7 @@ from dporl.utils.validation import ValidationError
 
 # ---------------------------------------------------------------------------------------------------- train
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML file naming a pipeline (expert_cql, dataset, ope, fnq)")
+    parser.add_argument("--config", required=True, help="YAML file naming a pipeline (see dporl list)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_const", const="resume", dest="mode",
                       help="continue the run in the run directory (same config and inputs only)")
@@ -311,6 +319,29 @@ def write_example(args: argparse.Namespace) -> dict:
             "actions": "2 (0 = wait, 1 = treat): declare it (columns.actions: 2, read_table(..., actions=2))"}
 
 
+# ---------------------------------------------------------------------------------------------------- list
+def listing() -> str:
+    """What ``dporl list`` prints: the pipelines, the registered algorithms and the methods, each with one line."""
+    from dporl.algos.registry import entries
+    from dporl.methods.reward_level import METHODS as REWARD_LEVEL
+    from dporl.methods.unit_level import METHODS as UNIT_LEVEL
+    from dporl.pipelines import PIPELINES
+
+    lines = ["pipelines (pipeline: NAME):"]
+    lines += [f"  {name:12s} {summary}" for name, (_, summary) in sorted(PIPELINES.items())]
+    lines.append("algorithms of the train pipeline (algorithm: NAME):")
+    for entry in entries():
+        d = entry.declaration
+        lines.append(f"  {entry.name:12s} {entry.summary}")
+        lines.append(f"  {'':12s} {entry.algorithm_cls.__name__}; loss: {d.loss_form.value}; reads "
+                     f"{', '.join(d.batch_keys)}; releases {d.policy_kind}; Python API: dporl.{entry.api_name}")
+    lines.append("methods of the train pipeline (method: NAME):")
+    lines += [f"  {m.name:12s} {m.label}" for m in UNIT_LEVEL.values()]
+    lines.append("methods of the fnq pipeline (methods: [NAME, ...]):")
+    lines += [f"  {m.name:18s} {m.label}" for m in REWARD_LEVEL.values()]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -318,10 +349,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         from dporl.audit.__main__ import main as audit_main
 
         return audit_main(argv[1:], prog="dporl audit")
+    if argv and argv[0] == "sweep":  # its own parser (dporl.pipelines.sweep)
+        from dporl.pipelines.sweep import main as sweep_main
+
+        return sweep_main(argv[1:], prog="dporl sweep")
     parser = argparse.ArgumentParser(prog="dporl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(commands.add_parser("train", help="run a pipeline config (private training + evaluation)"))
+    commands.add_parser("sweep", help="a train config over budgets x methods x seeds (see dporl sweep --help)")
+    commands.add_parser("list", help="the pipelines, algorithms and methods dporl knows")
     add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
     commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
     add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
@@ -330,6 +367,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return train(args)
     if args.command == "evaluate":
         return evaluate(args)
+    if args.command == "list":
+        print(listing())
+        return 0
     return data(args)
 
 

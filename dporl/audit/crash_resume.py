@@ -1,4 +1,4 @@
-"""Crash-and-resume audit: SIGKILL a small expert_cql run at random points, resume it, and check that the run
+"""Crash-and-resume audit: SIGKILL a small train run at random points, resume it, and check that the run
 never under-counts and never loses a paid step.
 
     python -m dporl.audit --sigkill 30 [--seed 0] [--out kills.json]
@@ -121,10 +121,10 @@ def child(argv: list[str]) -> int:
 
     os.replace = replace
 
-    from dporl.pipelines import expert_cql
+    from dporl.pipelines.train import release as train_release
     from dporl.train.trainer import Trainer
 
-    real_step, real_release = Trainer._step, expert_cql.release_stable_prefixes
+    real_step, real_release = Trainer._step, train_release.release_stable_prefixes
 
     def step(self, *args, **kwargs):
         number = self.current_step
@@ -143,7 +143,7 @@ def child(argv: list[str]) -> int:
         return real_release(*args, **kwargs)
 
     Trainer._step = step
-    expert_cql.release_stable_prefixes = release
+    train_release.release_stable_prefixes = release
     from dporl.cli import main
 
     return main(rest)
@@ -168,10 +168,10 @@ def write_config(path: Path, run_dir: Path, data: tuple[Path, Path], steps: int)
     import yaml
 
     config = {
-        "pipeline": "expert_cql", "method": "mixed", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
+        "pipeline": "train", "method": "mixed", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
         "batch_size": 16, "data": {"dataset": str(data[0]), "expert_set": str(data[1])},
         "release": {"trajectories": T_RELEASE}, "dp": {"noise_multiplier": 1.0, "p_dp": 0.5},
-        "cql": {"hidden_sizes": [16]},
+        "algorithm": {"name": "cql", "hidden_sizes": [16]},
         "trainer": {"max_steps": steps, "journal_every": JOURNAL_EVERY, "eval_every": 100, "log_every": 10,
                     "checkpoint_every": 1000, "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 50},

@@ -22,7 +22,7 @@ from dporl.experts.collect import collect, make_vector_env
 from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, curator_note, register
+from dporl.pipelines import Pipeline, curator_note
 from dporl.pipelines.inputs import check_inputs_outside
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
@@ -143,4 +143,4 @@ def _per_expert_mean_return(dataset) -> list[float]:
     return (totals / np.maximum(counts, 1)).tolist()
 
 
-register(Pipeline("dataset", DatasetConfig, run))
+PIPELINE = Pipeline("dataset", DatasetConfig, run)

@@ -1,8 +1,10 @@
-"""Sweep of the "expert_cql" pipeline: budgets x methods x seeds -> a table (CSV + markdown) and a PNG of return vs eps.
+"""Pipeline "sweep": a "train" config over budgets x methods x seeds -> a table (CSV + markdown) and a PNG of return
+vs eps.
 
-    python -m dporl.pipelines.sweep --config configs/sweep_cartpole.yaml [key=value ...]
+    dporl sweep --config configs/sweep_cartpole.yaml [key=value ...]     (or dporl train --config ...)
+    dporl sweep --config configs/sweep_cartpole.yaml --from-runs A/runs.csv
 
-Every run is an ordinary expert_cql run in ``out_dir/<method>/eps_<eps>/seed_<seed>``. An existing run directory is
+Every run is an ordinary "train" run in ``out_dir/<method>/eps_<eps>/seed_<seed>``. An existing run directory is
 resumed only if its provenance (config and input hashes) equals the run's: a finished one is read back, not
 repeated, an interrupted one continues, and one of another configuration is recorded as an error (never reused). ``non_private`` ignores the budget, so it runs once
 per seed and appears as a flat line. A run refused by its configuration (e.g. a release that no threshold makes
@@ -24,17 +26,19 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, get_args
+from typing import Any, Optional
 
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, register, run_cli
-from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
+from dporl.methods.unit_level import METHODS, unit_level_method
+from dporl.pipelines import Pipeline, run_cli
+from dporl.pipelines.train import PIPELINE_NAME as TRAIN, TrainPipelineConfig, generate_dataset
+from dporl.pipelines.train import run as run_train
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
 
-_METHODS: tuple[str, ...] = get_args(Method)
+NAME = "sweep"
 
 
 @dataclass
@@ -45,11 +49,11 @@ class EpsilonOverrides:
 
 @dataclass
 class SweepConfig:
-    pipeline: str = "expert_cql_sweep"
-    base: str = "configs/expert_cql_cartpole.yaml"  # an expert_cql config
+    pipeline: str = NAME
+    base: str = "configs/expert_cql_cartpole.yaml"  # a "train" config
     overrides: list[str] = field(default_factory=list)  # applied to the base config of every run
     epsilons: list[float] = field(default_factory=lambda: [10.0, 7.5, 5.0, 2.0, 1.0])
-    methods: list[Method] = field(default_factory=lambda: list(_METHODS))
+    methods: list[str] = field(default_factory=lambda: list(METHODS))  # dporl.methods.unit_level
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     method_overrides: dict[str, list[str]] = field(default_factory=dict)
     epsilon_overrides: list[EpsilonOverrides] = field(default_factory=list)
@@ -58,21 +62,23 @@ class SweepConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.pipeline != "expert_cql_sweep":
-            raise ValidationError("pipeline", f"expected 'expert_cql_sweep', got {self.pipeline!r}")
+        if self.pipeline != NAME:
+            raise ValidationError("pipeline", f"expected {NAME!r}, got {self.pipeline!r}")
         for name in ("epsilons", "methods", "seeds"):
             if not getattr(self, name):
                 raise ValidationError(name, "must not be empty")
         if any(e <= 0 for e in self.epsilons):
             raise ValidationError("epsilons", f"must be > 0, got {self.epsilons}")
-        unknown = sorted(set(self.method_overrides) - set(_METHODS))
-        if unknown:
-            raise ValidationError(f"method_overrides.{unknown[0]}", f"not a method (known: {list(_METHODS)})")
+        for i, method in enumerate(self.methods):
+            unit_level_method(method, f"methods[{i}]")
+        for method in self.method_overrides:
+            unit_level_method(method, f"method_overrides.{method}")
         if self.threads < 1:
             raise ValidationError("threads", f"must be >= 1, got {self.threads}")
 
 
-def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Optional[float], int, ExpertCQLConfig]]:
+def run_configs(config: SweepConfig, data: dict[str, Any]
+                ) -> list[tuple[str, Optional[float], int, TrainPipelineConfig]]:
     """(method, epsilon or None for non_private, seed, run config) for every run of the sweep.
 
     ``data``: the base config with ``config.overrides`` already applied (and its generation, if any, already
@@ -82,7 +88,7 @@ def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Op
     by_eps = {entry.epsilon: entry.overrides for entry in config.epsilon_overrides}
     runs = []
     for method in config.methods:
-        budgets: list[Optional[float]] = [None] if method == "non_private" else list(config.epsilons)
+        budgets: list[Optional[float]] = list(config.epsilons) if METHODS[method].private else [None]
         for eps in budgets:
             for seed in config.seeds:
                 name = f"{method}/{'all' if eps is None else f'eps_{eps:g}'}/seed_{seed}"
@@ -96,7 +102,7 @@ def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Op
                 ]
                 if eps is not None:
                     overrides.append(f"epsilon={eps}")
-                runs.append((method, eps, seed, from_dict(ExpertCQLConfig, apply_overrides(data, overrides))))
+                runs.append((method, eps, seed, from_dict(TrainPipelineConfig, apply_overrides(data, overrides))))
     return runs
 
 
@@ -115,8 +121,8 @@ def run(config: SweepConfig) -> dict:
 
     torch.set_num_threads(config.threads)
     data = apply_overrides(load_yaml(config.base), config.overrides)
-    if data.get("pipeline", "expert_cql") != "expert_cql":
-        raise ValidationError("base", f"{config.base} is not an expert_cql config")
+    if data.get("pipeline", TRAIN) != TRAIN:
+        raise ValidationError("base", f"{config.base} is not a {TRAIN!r} config")
     runs = run_configs(config, _generate_once(config, data))
     rows = []
     for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
@@ -170,10 +176,10 @@ def read_runs(paths: list[str | Path], config: SweepConfig) -> list[dict[str, An
 
 
 def _parse_row(raw: dict[str, str]) -> dict[str, Any]:
-    if raw["method"] not in _METHODS:
-        raise ValueError(f"unknown method {raw['method']!r} (known: {list(_METHODS)})")
+    if raw["method"] not in METHODS:
+        raise ValueError(f"unknown method {raw['method']!r} (known: {list(METHODS)})")
     epsilon = None if raw["epsilon"] == "" else float(raw["epsilon"])
-    if (epsilon is None) != (raw["method"] == "non_private"):
+    if (epsilon is None) != (not METHODS[raw["method"]].private):
         raise ValueError(f"method {raw['method']!r} with epsilon {raw['epsilon']!r}")
     return {
         "method": raw["method"], "epsilon": epsilon, "seed": int(raw["seed"]),
@@ -189,13 +195,13 @@ def tabulate(config: SweepConfig, paths: list[str | Path]) -> dict:
     return _report(read_runs(paths, config), config)
 
 
-def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQLConfig) -> dict[str, Any]:
+def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipelineConfig) -> dict[str, Any]:
     row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
     try:
         mode = "resume" if Path(run_config.run_dir).exists() else "new"
-        summary = run_expert_cql(run_config, mode=mode)
+        summary = run_train(run_config, mode=mode)
     except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
         row["error"] = str(exc)
         return row
@@ -263,11 +269,12 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
                    ylabel="mean episodic return", title="expert-level private CQL", logx=True)
 
 
-register(Pipeline("expert_cql_sweep", SweepConfig, run))
+PIPELINE = Pipeline(NAME, SweepConfig, run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--from-runs", action="append", metavar="RUNS_CSV",
                         help="tabulate and plot an earlier sweep's runs.csv instead of running (repeatable; later "

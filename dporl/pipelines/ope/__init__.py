@@ -25,7 +25,7 @@ import torch
 
 from dporl.algos.lstd import lstd
 from dporl.eval.ope_problems import FiniteStateProblem, WEIGHTING_LABELS, padded_data
-from dporl.pipelines import Pipeline, register
+from dporl.pipelines import Pipeline
 from dporl.pipelines.ope.config import GPOPESettings, OPEConfig, OutputPerturbationSettings, build_problem
 from dporl.pipelines.ope.report import write_results
 from dporl.pipelines.ope.runners import (
@@ -154,6 +154,6 @@ def evaluate(payload: dict[str, Any], episodes: int, seed: int, out_dir: Path) -
     return metrics
 
 
-register(Pipeline("ope", OPEConfig, run, evaluate))
+PIPELINE = Pipeline("ope", OPEConfig, run, evaluate)
 
 __all__ = ["GPOPESettings", "OPEConfig", "OutputPerturbationSettings", "build_problem", "evaluate", "run"]
