@@ -59,10 +59,10 @@ def logged(tmp_path_factory):
 
 def _train_config(logged: Path, run_dir: Path, **data) -> dict:
     return {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
         "batch_size": 16, "noise_seed": 1,
         "data": {"dataset": str(logged / "data.npz"), **data},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 4, "eval_every": 4, "log_every": 4, "checkpoint_every": 4, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},  # no evaluation: these runs test their files
     }

@@ -34,10 +34,10 @@ def logged(tmp_path_factory):
 
 def _config(logged: Path, run_dir: Path, **sections) -> dict:
     config = {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
         "batch_size": 16, "noise_seed": 1,
         "data": {"dataset": str(logged / "data.npz")},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 4, "eval_every": 4, "log_every": 4, "checkpoint_every": 4, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},  # no evaluation: these runs test their files
     }
@@ -152,7 +152,7 @@ def tiny_tmpfs(tmp_path):
 
 def test_a_run_on_a_full_file_system_is_a_named_error_with_no_temporary_file_left(logged, tmp_path, tiny_tmpfs):
     run = tiny_tmpfs / "run"
-    result = _train(tmp_path, _config(logged, run, cql__hidden_sizes=[256, 256], trainer__max_steps=8,
+    result = _train(tmp_path, _config(logged, run, algorithm__hidden_sizes=[256, 256], trainer__max_steps=8,
                                       trainer__checkpoint_every=2))
     _refused(result, "disk")
     assert _temporary_files(tiny_tmpfs) == []
@@ -250,12 +250,12 @@ def test_overwrite_refuses_to_delete_an_input_that_lives_in_the_run_directory(lo
 def test_overwrite_still_regenerates_a_generation_inside_the_run_directory(tmp_path):
     """Generated data inside the run directory are the run's own output: --overwrite regenerates them."""
     config = {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / "run"), "epsilon": 10.0,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(tmp_path / "run"), "epsilon": 10.0,
         "delta": 1e-5, "batch_size": 2, "count_fraction": 0.5, "noise_seed": 1,  # 8 experts: a sharp count
         "data": {"generate": {"experts": {"env_id": "CartPole-v1", "family": "analytic", "points_per_axis": 2,
                                           "candidates_per_setting": 1, "keep_best": 1, "eval_episodes": 1},
                               "trajectories_per_expert": 1, "max_episode_steps": 20, "progress": False}},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 2, "eval_every": 2, "log_every": 2, "checkpoint_every": 2, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},
     }

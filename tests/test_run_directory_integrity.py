@@ -34,13 +34,13 @@ def logged(tmp_path_factory):
 
 
 def write_config(logged: Path, directory: Path, **trainer) -> Path:
-    """A small expert_cql run (Algorithm 3: a stable-prefix release of T = 5 runs, then 60 mixed steps) with a
+    """A small train run (Algorithm 3: a stable-prefix release of T = 5 runs, then 60 mixed steps) with a
     secret noise seed, as a YAML file; data outside the run directory."""
     config = {
-        "pipeline": "expert_cql", "method": "mixed", "run_dir": str(directory / "run"), "epsilon": 10.0,
+        "pipeline": "train", "method": "mixed", "run_dir": str(directory / "run"), "epsilon": 10.0,
         "delta": 1e-5, "batch_size": 16,
         "data": {"dataset": str(logged / "data.npz"), "expert_set": str(logged / "experts.pt")},
-        "release": {"trajectories": 5}, "dp": {"noise_multiplier": 1.0, "p_dp": 0.5}, "cql": {"hidden_sizes": [16]},
+        "release": {"trajectories": 5}, "dp": {"noise_multiplier": 1.0, "p_dp": 0.5}, "algorithm": {"name": "cql", "hidden_sizes": [16]},
         "trainer": {"max_steps": STEPS, "journal_every": 10, "eval_every": 1000, "log_every": 10,
                     "checkpoint_every": 1000, "progress": False, **trainer},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 50},
@@ -114,7 +114,7 @@ def stage_entry(journal: dict, name: str) -> dict:
 # Two `dporl train` processes, imports done, each waiting for the same go file: they start the run together.
 READY_THEN_TRAIN = """
 import os, sys, time
-import dporl.pipelines.expert_cql  # noqa: F401  (imports first, so that both start at the go signal)
+import dporl.pipelines.train  # noqa: F401  (imports first, so that both start at the go signal)
 from dporl.cli import main
 go = sys.argv[1]
 print("ready", flush=True)

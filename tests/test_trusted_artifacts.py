@@ -45,7 +45,7 @@ def logged(tmp_path_factory):
 
 def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides) -> dict:
     config = {
-        "pipeline": "expert_cql",
+        "pipeline": "train",
         "method": "mixed",
         "run_dir": str(run_dir),
         "epsilon": 10.0,
@@ -55,7 +55,7 @@ def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides)
         "data": {"dataset": str(logged / dataset), "expert_set": str(logged / "experts.pt")},
         "release": {"trajectories": 5},
         "dp": {"noise_multiplier": 1.0, "p_dp": 0.5},
-        "cql": {"hidden_sizes": [16]},
+        "algorithm": {"name": "cql", "hidden_sizes": [16]},
         "trainer": {"max_steps": 12, "eval_every": 6, "log_every": 6, "checkpoint_every": 6, "journal_every": 4,
                     "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 30},
@@ -262,7 +262,7 @@ def test_failure4_loading_a_file_never_runs_code(logged, tmp_path, capsys):
     release/ledger.pt (fnq's released.pt too)."""
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
-    torch.save({"format": 2, "pipeline": "expert_cql", "payload": _Payload(marker)}, evil)
+    torch.save({"format": 2, "pipeline": "train", "payload": _Payload(marker)}, evil)
 
     assert _cli("evaluate")(["--checkpoint", str(evil)]) == 2
     assert "error: checkpoint" in capsys.readouterr().err and not marker.exists()
@@ -404,10 +404,10 @@ MALFORMED = {
         "expert_set.config_json"),
     "n_actions = 1e12": (lambda c, logged, tmp: {**c, "data": {**c["data"], "dataset": str(_huge_n_actions(logged, tmp))}},
                          "metadata.n_actions"),
-    "absurd hidden sizes": (lambda c, logged, tmp: {**c, "cql": {"hidden_sizes": [10**10, 10**10]}},
-                            "cql.hidden_sizes[0]"),
-    "absurd parameter count": (lambda c, logged, tmp: {**c, "cql": {"hidden_sizes": [60000] * 64}},
-                               "cql.hidden_sizes"),
+    "absurd hidden sizes": (lambda c, logged, tmp: {**c, "algorithm": {"name": "cql", "hidden_sizes": [10**10, 10**10]}},
+                            "algorithm.hidden_sizes[0]"),
+    "absurd parameter count": (lambda c, logged, tmp: {**c, "algorithm": {"name": "cql", "hidden_sizes": [60000] * 64}},
+                               "algorithm.hidden_sizes"),
     "cuda on a CPU build": (lambda c, logged, tmp: {**c, "trainer": {**c["trainer"], "device": "cuda"}},
                             "trainer.device"),
     "unknown device": (lambda c, logged, tmp: {**c, "trainer": {**c["trainer"], "device": "gpu"}}, "trainer.device"),

@@ -50,9 +50,14 @@ class AlgorithmConfig:
     summary: ClassVar[str]
     api_defaults: ClassVar[Mapping[str, Any]] = {}
 
-    def build(self, obs_dim: int, n_actions: int, privacy_unit: PrivacyUnit) -> PrivateAlgorithm:
-        """The algorithm for observations of size ``obs_dim``, ``n_actions`` declared actions and the data's unit."""
-        return type(self).algorithm(obs_dim, n_actions, self, privacy_unit=privacy_unit)
+    def build(self, obs_dim: int, n_actions: int, privacy_unit: PrivacyUnit, field: str = "algorithm"
+              ) -> PrivateAlgorithm:
+        """The algorithm for observations of size ``obs_dim``, ``n_actions`` declared actions and the data's unit
+        (a refusal of its sizes names ``field``, the config section)."""
+        try:
+            return type(self).algorithm(obs_dim, n_actions, self, privacy_unit=privacy_unit)
+        except ValidationError as exc:
+            raise rerooted(exc, self.name, field) from None
 
     def discount(self) -> Optional[float]:
         """The discount the algorithm optimises (a policy's value is evaluated with it), or None if it has none."""
@@ -162,13 +167,25 @@ def algorithm_config(value: Any, field: str = "algorithm") -> AlgorithmConfig:
             raise ValidationError(f"{field}.name", f"{type(value).__name__} is not the config of {value.name!r}")
         return value
     if isinstance(value, str):
-        return get(value, field).config_cls()
-    if not isinstance(value, Mapping):
+        entry, value = get(value, field), {}
+    elif not isinstance(value, Mapping):
         raise ValidationError(field, f"expected an algorithm name or a mapping with 'name', got {value!r}")
-    if "name" not in value:
+    elif "name" not in value:
         raise ValidationError(f"{field}.name", f"missing: which algorithm (known: {', '.join(names())})")
-    entry = get(value["name"], f"{field}.name")
-    return from_dict(entry.config_cls, value, field)
+    else:
+        entry = get(value["name"], f"{field}.name")
+    try:
+        return from_dict(entry.config_cls, value, field)
+    except ValidationError as exc:
+        raise rerooted(exc, entry.name, field) from None
+
+
+def rerooted(exc: ValidationError, name: str, field: str) -> ValidationError:
+    """``exc`` naming its field as a config file writes it: an algorithm's own checks name "<name>.x" (e.g.
+    "cql.gamma"); in a config that is "<field>.x" ("algorithm.gamma")."""
+    if exc.field.startswith(f"{name}."):
+        return type(exc)(field + exc.field[len(name):], str(exc).split(": ", 1)[-1])
+    return exc
 
 
 def policy_kinds() -> dict[str, AlgorithmEntry]:
