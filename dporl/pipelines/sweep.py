@@ -34,6 +34,7 @@ from dporl.methods.unit_level import METHODS, unit_level_method
 from dporl.pipelines import Pipeline, run_cli
 from dporl.pipelines.train import PIPELINE_NAME as TRAIN, TrainPipelineConfig, generate_dataset
 from dporl.pipelines.train import run as run_train
+from dporl.train.run_dir import RunMode
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
@@ -115,7 +116,9 @@ def _generate_once(config: SweepConfig, data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "data": {"dataset": dataset_path, "expert_set": expert_path}}
 
 
-def run(config: SweepConfig) -> dict:
+def run(config: SweepConfig, mode: RunMode = "new") -> dict:
+    """Every run of the sweep (``mode`` "new" or "resume": a run directory of the same provenance is read back or
+    continued; "overwrite": every run is replaced), then the table and the plot."""
     import torch
     from tqdm.auto import tqdm
 
@@ -126,7 +129,7 @@ def run(config: SweepConfig) -> dict:
     runs = run_configs(config, _generate_once(config, data))
     rows = []
     for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
-        rows.append(_run_one(method, eps, seed, run_config))
+        rows.append(_run_one(method, eps, seed, run_config, overwrite=mode == "overwrite"))
     return _report(rows, config)
 
 
@@ -195,12 +198,13 @@ def tabulate(config: SweepConfig, paths: list[str | Path]) -> dict:
     return _report(read_runs(paths, config), config)
 
 
-def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipelineConfig) -> dict[str, Any]:
+def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipelineConfig,
+             overwrite: bool = False) -> dict[str, Any]:
     row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
     try:
-        mode = "resume" if Path(run_config.run_dir).exists() else "new"
+        mode = "overwrite" if overwrite else "resume" if Path(run_config.run_dir).exists() else "new"
         summary = run_train(run_config, mode=mode)
     except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
         row["error"] = str(exc)
