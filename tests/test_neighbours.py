@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from dporl.algos.registry import names as registry_names
 from dporl.audit.accounted import ENTRIES, classify, registry_table
 from dporl.audit.neighbour_audit import audit_pair, check_pair
 from dporl.audit.neighbour_runs import NeighbourPair
@@ -177,6 +178,28 @@ PIPELINE_CASES: dict[str, tuple[Callable[..., NeighbourPair], str]] = {
     "ope/gpope replace-one": (lambda f: NeighbourPair(ope_chain("replace_one"), relation="replace", unit=4, donor=5),
                               TB_LEAK),
 }
+def _with_algorithm(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """``config`` with registered algorithm ``name`` (its hidden sizes kept) and, for an algorithm without a discount
+    of its own, the evaluation's discount the config's algorithm had."""
+    from dporl.algos.registry import algorithm_config
+
+    previous = algorithm_config(config["algorithm"])
+    config = {**config, "algorithm": {"name": name, "hidden_sizes": previous.hidden_sizes}}
+    if algorithm_config(config["algorithm"]).discount() is None and previous.discount() is not None:
+        config["eval"] = {**config.get("eval", {}), "gamma": previous.discount()}
+    return config
+
+
+# Every other registered algorithm through the same two neighbour constructions: expert-level DP-SGD on the
+# quickstart's experts, and unit-level DP-SGD with the private evaluation on the table.
+for _name in [name for name in registry_names() if name != "cql"]:
+    PIPELINE_CASES[f"train/dp_sgd, algorithm {_name}"] = (
+        lambda f, n=_name: NeighbourPair(_with_algorithm(quickstart(f["expert_data"], "method=dp_sgd"), n), unit=7),
+        f"{COUNT_LEAK}; {TB_LEAK}")
+    PIPELINE_CASES[f"table, algorithm {_name}: a training clinician removed"] = (
+        lambda f, n=_name: NeighbourPair(_with_algorithm(table_quickstart(), n), unit_key=f["table_units"]["train"]),
+        f"{COUNT_LEAK}; {TB_LEAK}")
+
 API_SETTINGS = {"epsilon": 4.0, "steps": 20, "hidden_sizes": [8], "batch_size": 16, "rows_per_unit": 2,
                 "gamma": 0.95, "evaluation": {"folds": 2, "unit_clip": 5.0, "value_range": [-2.0, 1.0],
                                               "fqe": {"steps": 20, "sample_rate": 0.2, "rows_per_unit": 4}}}

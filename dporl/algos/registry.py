@@ -30,7 +30,9 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
-from dporl.algos.base import ContractError, Declaration, PrivacyUnit, PrivateAlgorithm, check_contract
+from dporl.algos.base import ContractError, Declaration, PrivateAlgorithm, check_contract
+from dporl.privacy.units import PrivacyUnit
+from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
 
 
@@ -160,8 +162,6 @@ def get(name: Any, field: str = "algorithm") -> AlgorithmEntry:
 def algorithm_config(value: Any, field: str = "algorithm") -> AlgorithmConfig:
     """A registered algorithm's config from a config file's ``algorithm`` value: a name (``bc``: the defaults), a
     mapping with ``name`` and the hyper-parameters, or a config object already built."""
-    from dporl.utils.config import from_dict
-
     if isinstance(value, AlgorithmConfig):
         if get(value.name, f"{field}.name").config_cls is not type(value):
             raise ValidationError(f"{field}.name", f"{type(value).__name__} is not the config of {value.name!r}")

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--mechanism", choices=sorted(AUDITS), help="a built-in audit")
-    what.add_argument("--config", help="a pipeline YAML (expert_cql, ope): audit what it would release")
+    what.add_argument("--config", help="a pipeline YAML (train, ope): audit what it would release")
     what.add_argument("--all", action="store_true", help="every built-in audit at its default settings")
     what.add_argument("--neighbours", metavar="CONFIG",
                       help="a pipeline YAML: run it on D and D minus one unit, score everything it releases")

@@ -5,7 +5,7 @@ Outputs under ``out_dir``: ``experts.pt`` (ExpertSet, atomic), ``dataset.npz`` (
 logged return in the default env, sorted). Nothing here is released: this is the data curator's side, producing
 the logged data that the private learners consume, so ``out_dir`` is a curator-only run directory
 (``dporl.train.run_dir``, with its ``provenance.json``): an existing one is refused (mode "new"), reused when it
-holds this very generation (mode "resume"; ``expert_cql``'s ``data.generate`` uses this), or replaced ("overwrite").
+holds this very generation (mode "resume"; the train pipeline's ``data.generate`` uses this), or replaced ("overwrite").
 """
 
 from __future__ import annotations

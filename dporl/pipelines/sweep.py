@@ -9,7 +9,9 @@ resumed only if its provenance (config and input hashes) equals the run's: a fin
 repeated, an interrupted one continues, and one of another configuration is recorded as an error (never reused). ``non_private`` ignores the budget, so it runs once
 per seed and appears as a flat line. A run refused by its configuration (e.g. a release that no threshold makes
 private at a small eps, the paper's reason to fall back to DP-SGD there) is recorded with its reason, not retried.
-Each cell of the table is the mean over seeds of the run's ``return_mean_last_evals`` with a Student-t interval
+Each cell of the table is the mean over seeds of the run's ``metric`` (``return``: ``return_mean_last_evals``, the
+returns in the simulator; ``offline_value``: the policy value the run's private offline evaluation released, for
+data without a simulator) with a Student-t interval
 (``dporl.eval.returns.confidence_interval``) and the largest guaranteed epsilon among its seeds.
 
 ``--from-runs A/runs.csv --from-runs B/runs.csv`` runs nothing: it tabulates and plots the rows of earlier sweeps' ``runs.csv``
@@ -26,7 +28,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
@@ -60,6 +62,7 @@ class SweepConfig:
     epsilon_overrides: list[EpsilonOverrides] = field(default_factory=list)
     out_dir: str = "runs/sweep_cartpole"
     threads: int = 1  # torch threads per run (runs are sequential)
+    metric: Literal["return", "offline_value"] = "return"  # what the "return" column of a row holds (module doc)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -129,7 +132,7 @@ def run(config: SweepConfig, mode: RunMode = "new") -> dict:
     runs = run_configs(config, _generate_once(config, data))
     rows = []
     for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
-        rows.append(_run_one(method, eps, seed, run_config, overwrite=mode == "overwrite"))
+        rows.append(_run_one(method, eps, seed, run_config, overwrite=mode == "overwrite", metric=config.metric))
     return _report(rows, config)
 
 
@@ -141,6 +144,7 @@ def _report(rows: list[dict[str, Any]], config: SweepConfig) -> dict:
             "outputs": [str(out_dir / name) for name in ("runs.csv", "results.md", "return_vs_epsilon.png")]}
 
 
+_METRIC_LABELS = {"return": "return", "offline_value": "released policy value"}
 _MAX_RUNS_CSV_BYTES = 64 << 20
 _CSV_FIELDS = ("method", "epsilon", "seed", "return", "final_return", "guarantee_epsilon", "guarantee_delta", "steps",
                "stable_transitions", "error")
@@ -199,7 +203,7 @@ def tabulate(config: SweepConfig, paths: list[str | Path]) -> dict:
 
 
 def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipelineConfig,
-             overwrite: bool = False) -> dict[str, Any]:
+             overwrite: bool = False, metric: str = "return") -> dict[str, Any]:
     row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
@@ -210,10 +214,16 @@ def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipe
         row["error"] = str(exc)
         return row
     guarantee = summary["privacy"]["guarantee"] or {}
+    if metric == "offline_value":  # released by the run's private evaluation (NaN when it released none)
+        value = summary["evaluation"].get("value", math.nan)
+        value = math.nan if value is None else float(value)
+        measured = {"return": value, "final_return": value}
+    else:
+        measured = {"return": summary["return_mean_last_evals"],
+                    "final_return": summary["final_metrics"].get("eval/return_mean", math.nan)}
     row.update(
         {
-            "return": summary["return_mean_last_evals"],
-            "final_return": summary["final_metrics"].get("eval/return_mean", math.nan),
+            **measured,
             "guarantee_epsilon": guarantee.get("epsilon", math.nan),
             "guarantee_delta": guarantee.get("delta", math.nan),
             "steps": summary["steps"],
@@ -248,7 +258,8 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
     writer.writerows(rows)
     atomic_write_text(out_dir / "runs.csv", buffer.getvalue())
     lines = [
-        "| method | eps (budget) | return (mean over seeds) | 95% CI | guaranteed eps (max over seeds) | seeds | note |",
+        f"| method | eps (budget) | {_METRIC_LABELS[config.metric]} (mean over seeds) | 95% CI | guaranteed eps (max "
+        "over seeds) | seeds | note |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in table:
@@ -265,12 +276,12 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
     for method in config.methods:
         cells = [e for e in table if e["method"] == method and e["seeds"] > 0]
         if cells:
-            label = "non-private CQL (no guarantee)" if method == "non_private" else method
+            label = "non-private (no guarantee)" if method == "non_private" else method
             series[label] = ([e["epsilon"] for e in cells], [e["return_mean"] for e in cells],
                              [(e["ci_high"] - e["ci_low"]) / 2 for e in cells])
     if series:
         plot_lines(out_dir / "return_vs_epsilon.png", series, xlabel="expert-level epsilon (total budget)",
-                   ylabel="mean episodic return", title="expert-level private CQL", logx=True)
+                   ylabel=_METRIC_LABELS[config.metric], title="private training over units", logx=True)
 
 
 PIPELINE = Pipeline(NAME, SweepConfig, run)
