@@ -119,7 +119,8 @@ def test_one_trial_is_the_trial_itself():
     trial = (((PoissonGaussianEvent(1.3, 0.02), 2000),),)
     event = SelectionEvent(trial, "negative_binomial", eta=1.0, gamma=1.0)
     assert np.array_equal(selection_rdp(event), trial_rdp(trial))
-    assert TrialCount.with_mean(1.0).gamma == 1.0 and TrialCount.with_mean(1.0).sample(np.random.default_rng(0)) == 1
+    geometric = TrialCount.with_mean(1.0, "negative_binomial", 1.0)
+    assert geometric.gamma == 1.0 and geometric.sample(np.random.default_rng(0)) == 1
     assert selection_epsilon(event, 1e-5) == pytest.approx(epsilon_for([(PoissonGaussianEvent(1.3, 0.02), 2000)],
                                                                          1e-5, "rdp"), rel=1e-12)
 
@@ -173,7 +174,8 @@ def _renyi(p: np.ndarray, q: np.ndarray, order: float) -> float:
     return float(logsumexp(order * np.log(p[mask]) + (1 - order) * np.log(q[mask])) / (order - 1))
 
 
-@pytest.mark.parametrize("count", [TrialCount.with_mean(10.0), TrialCount.with_mean(10.0, "negative_binomial", 0.0),
+@pytest.mark.parametrize("count", [TrialCount.with_mean(10.0, "negative_binomial", 1.0),
+                                   TrialCount.with_mean(10.0, "negative_binomial", 0.0),
                                    TrialCount.with_mean(6.0, "poisson"), TrialCount.with_mean(3.0, "negative_binomial", 2.0)])
 def test_exact_randomised_response_search_stays_under_the_bound(count):
     """The exact Renyi divergence of a best-of-K randomised-response search (its whole output distribution, both
@@ -206,7 +208,8 @@ def test_monte_carlo_randomised_response_search_matches_its_exact_distribution()
 
 
 # ------------------------------------------------------------------------------------------------ distribution of K
-@pytest.mark.parametrize("count", [TrialCount.with_mean(7.0), TrialCount.with_mean(7.0, "negative_binomial", 0.0),
+@pytest.mark.parametrize("count", [TrialCount.with_mean(7.0, "negative_binomial", 1.0),
+                                   TrialCount.with_mean(7.0, "negative_binomial", 0.0),
                                    TrialCount.with_mean(7.0, "negative_binomial", 0.5),
                                    TrialCount.with_mean(7.0, "poisson")])
 def test_trial_count_pmf_mean_pgf_and_sampler_agree(count):
@@ -237,16 +240,17 @@ def test_event_round_trips_through_json_and_the_ledger():
                                              ((PoissonGaussianEvent(3.0, 0.05), 100),)))
     again = event_from_dict(json.loads(json.dumps(event_to_dict(event))))
     assert again == event and hash(again) == hash(event)
-    ledger = PrivacyLedger((1.5, 1e-5))
+    small = TrialCount.with_mean(3.0).event((((PoissonGaussianEvent(8.0, 0.05), 500),),))
+    budget = 1.5 * selection_epsilon(small, 1e-5)  # room for one search, not two
+    ledger = PrivacyLedger((0.01 + budget, 1e-5))
     ledger.stage("count", budget=(0.01, 0.0), mechanism="pld")
     ledger.record("count", ApproxDPEvent(0.01, 0.0))
-    ledger.stage("selection", budget=(1.49, 1e-5), mechanism="rdp")
-    small = TrialCount.with_mean(3.0).event((((PoissonGaussianEvent(8.0, 0.05), 500),),))
+    ledger.stage("selection", budget=(budget, 1e-5), mechanism="rdp")
     ledger.record("selection", small)
     report = ledger.report()
     assert report.guarantee[0] == pytest.approx(0.01 + selection_epsilon(small, 1e-5), rel=1e-9)
     assert report.joint is None and "Renyi" in report.joint_note  # no PLD: basic composition with the count
-    restored = PrivacyLedger((1.5, 1e-5))
+    restored = PrivacyLedger((0.01 + budget, 1e-5))
     restored.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
     assert restored.report().guarantee[0] == pytest.approx(report.guarantee[0], rel=1e-12)
     with pytest.raises(PrivacyBudgetError):  # a second search does not fit

@@ -149,6 +149,25 @@ def test_resume_reuses_finished_trials_and_charges_once(search, tmp_path, monkey
     assert calls == [] and again == resumed
 
 
+def test_a_trial_spending_more_than_planned_voids_the_search(tmp_path, monkeypatch):
+    """The check after each trial: a plan that under-states what a trial records (here: planned at half the trial
+    budget) leaves the search with NO guarantee rather than a false one."""
+    from dporl.tuning import planning
+
+    real = planning.ExpertCQLTrials.planner
+
+    def under_planned(self, data, dataset):
+        at = real(self, data, dataset)
+        return lambda trial_epsilon: at(trial_epsilon / 2)
+
+    monkeypatch.setattr(planning.ExpertCQLTrials, "planner", under_planned)
+    space = tiny_space(tmp_path / "search", trial_epsilon=0.5,
+                       trials={"distribution": "negative_binomial", "mean": 1.0})  # exactly one trial
+    result, stdout = _tune(tiny_base(), space)
+    assert result["privacy"]["guarantee"] is None and "more than the search planned" in result["privacy"]["void"]
+    assert "NO GUARANTEE" in stdout and "GUARANTEE: (" not in stdout
+
+
 def test_refusals_name_the_field_and_write_nothing(tmp_path):
     base = tiny_base()
     cases = [

@@ -41,11 +41,12 @@ Both bounds are then made nondecreasing in lambda (RDP is: eps'(lambda) <= eps'(
 The search composes with the run's other stages through the ledger (basic composition with stages that are not
 Renyi-accounted) and is converted to (eps, delta) like every RDP history (Balle et al. 2020).
 
-Which distribution. ``DEFAULT_DISTRIBUTION``: the geometric (eta = 1). At a fixed E[K] a smaller eta costs less
-privacy ((1 + eta) multiplies the lambda_hat term) but spreads K wider (the logarithmic distribution at mean 6 runs a
-single trial 36% of the time, the geometric 17%), and the Poisson is the most concentrated but pays mu delta_hat,
-which is large unless each trial is far more private than the search (measured on the table quickstart's trials
-in docs/results.md, "Private hyperparameter selection").
+Which distribution (``DEFAULT_DISTRIBUTION``, ``DEFAULT_MEAN``): Poisson with mean 6. At a fixed E[K] a smaller eta
+costs less privacy ((1 + eta) multiplies the lambda_hat term) but spreads K wider, and the Poisson pays
+mu delta_hat instead, small when delta_hat comes from the trial's privacy loss distribution. Measured on the table
+quickstart's trials (docs/results.md, "Private hyperparameter selection"): at E[K] = 6 the Poisson leaves each trial a
+larger budget than the logarithmic and the geometric while running fewer than three trials 6% of the time (48% and
+31% for those two); around E[K] = 12 the logarithmic overtakes it.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ from dporl.privacy.events import ApproxDPEvent, PrivacyEvent, ReplaceOneEvent, S
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 Distribution = Literal["negative_binomial", "poisson"]
-DEFAULT_DISTRIBUTION: Distribution = "negative_binomial"
-DEFAULT_ETA = 1.0  # geometric
+DEFAULT_DISTRIBUTION: Distribution = "poisson"
+DEFAULT_MEAN = 6.0
+DEFAULT_ETA = 1.0  # a negative binomial's shape: geometric
 TrialParts = tuple  # tuple of parts, each a tuple of (event, count)
 
 
@@ -236,7 +238,7 @@ class TrialCount:
     distribution: Distribution = DEFAULT_DISTRIBUTION
     eta: float = DEFAULT_ETA
     gamma: float = 1.0
-    mu: float = 1.0
+    mu: float = DEFAULT_MEAN
 
     def __post_init__(self) -> None:
         SelectionEvent(((),), self.distribution, self.eta, self.gamma, self.mu)  # the same checks as the record
@@ -394,6 +396,7 @@ def describe_search(count: TrialCount) -> str:
 __all__ = [
     "DEFAULT_DISTRIBUTION",
     "DEFAULT_ETA",
+    "DEFAULT_MEAN",
     "TrialCount",
     "calibrate_trial_budget",
     "describe_search",

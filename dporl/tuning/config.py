@@ -17,24 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from dporl.privacy.accountants import check_delta
-from dporl.privacy.selection import TrialCount
+from dporl.privacy.selection import DEFAULT_DISTRIBUTION, DEFAULT_ETA, DEFAULT_MEAN, TrialCount
 from dporl.tuning.space import SearchSpace
 from dporl.utils.validation import ValidationError, check_positive
-
-# Poisson at a mean of 6: measured on the table quickstart's trials (docs/results.md) it costs about as little as
-# the logarithmic distribution at that mean while running fewer than three trials 6% of the time (the logarithmic:
-# 48%, the geometric: 31%); above a mean of about 8 a negative binomial with a small eta is cheaper.
-DEFAULT_DISTRIBUTION = "poisson"
-DEFAULT_MEAN = 6.0
 
 
 @dataclass
 class TrialsConfig:
-    """The number of trials K: its distribution and expectation (``eta``: the negative binomial's shape)."""
+    """The number of trials K: its distribution and expectation (``eta``: the negative binomial's shape; 1 geometric,
+    0 logarithmic). The default, Poisson with mean 6, and why: ``dporl.privacy.selection``."""
 
     distribution: Literal["negative_binomial", "poisson"] = DEFAULT_DISTRIBUTION
     mean: float = DEFAULT_MEAN
-    eta: float = 1.0
+    eta: float = DEFAULT_ETA
 
     def __post_init__(self) -> None:
         self.count()  # every refusal names its field

@@ -153,7 +153,7 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
         raise ValidationError("journal", "the journal charged another search than this one; refusing to resume")
 
     # 5. the trials
-    trials, seeds, candidates = int(plan["trials"]), plan["seeds"], plan["candidates"]
+    trials, seeds, candidates = _check_plan(plan)
     trial_epsilon = float(plan["trial_epsilon"])
     specs = []
     for i in range(trials):
@@ -197,6 +197,19 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
     records = [run.completed(f"trial/{i}") for i in range(trials)]
     winner = _best(records, tune.score.maximize)
     return _finish(run, ledger, kind, tune, space, count, released, plan, records, winner, epsilon, delta)
+
+
+def _check_plan(plan: Any) -> tuple[int, list[int], list[dict[str, Any]]]:
+    """K, the seeds and the candidates a journal holds, checked (the journal is a file like any other)."""
+    trials = plan.get("trials") if isinstance(plan, dict) else None
+    seeds, candidates = plan.get("seeds"), plan.get("candidates")
+    if (isinstance(trials, bool) or not isinstance(trials, int) or trials < 0 or not isinstance(seeds, list)
+            or not isinstance(candidates, list) or len(seeds) != trials or len(candidates) != trials
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+            or not all(isinstance(c, dict) for c in candidates)):
+        raise ValidationError("journal", "the search's journaled plan (trials, seeds, candidates) is malformed; "
+                              "refusing to resume it")
+    return trials, seeds, candidates
 
 
 def _trial_partition(config, dataset):
