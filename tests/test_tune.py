@@ -114,27 +114,32 @@ def test_only_the_winner_is_released_and_nothing_counts_the_trials(search):
 
 
 def test_resume_reuses_finished_trials_and_charges_once(search, tmp_path, monkeypatch):
-    """A search interrupted after its first trial, resumed: the first trial is not run again, the search event
-    is charged once, and the result equals the uninterrupted search's (the same noise seed)."""
+    """A search interrupted inside its second trial (after its training, during its evaluation), resumed: the first
+    trial is not run again, the second starts again from scratch with its seed, the search event is charged once,
+    and the result equals the uninterrupted search's (the same noise seed)."""
+    import dporl.eval.private_ope as private_ope
     import dporl.tuning.trials as trials_module
 
     _, reference, _, curator = search
-    real = trials_module.run_trial
-    calls = []
+    real_release, releases = private_ope.release_ratio, []
 
-    def interrupting(spec):
-        calls.append(spec["index"])
-        if len(calls) == 2:
+    def interrupting(*args, **kwargs):  # a trial releases one value per DP-FQE fold (three)
+        releases.append(1)
+        if len(releases) == 4:  # the second trial, its evaluation's first fold trained (and charged)
             raise KeyboardInterrupt
-        return real(spec)
+        return real_release(*args, **kwargs)
 
-    monkeypatch.setattr(trials_module, "run_trial", interrupting)
+    monkeypatch.setattr(private_ope, "release_ratio", interrupting)
     run_dir = tmp_path / "search"
     with pytest.raises(KeyboardInterrupt):
         _tune(tiny_base(), tiny_space(run_dir))
     ledger = read_journal(run_dir / "curator" / "journal.json")
     assert len(ledger.stages["selection"].accountant.history) == 1  # charged before any trial ran
-    calls.clear()
+    assert (run_dir / "curator" / "trials" / "trial_0001" / "curator" / "journal.json").is_file()  # a partial trial
+    partial = read_journal(run_dir / "curator" / "trials" / "trial_0001" / "curator" / "journal.json")
+    assert "evaluate0/train" in partial.stages  # resuming that run in place would be refused (a paid evaluation)
+    monkeypatch.setattr(private_ope, "release_ratio", real_release)
+    real, calls = trials_module.run_trial, []
     monkeypatch.setattr(trials_module, "run_trial", lambda spec: calls.append(spec["index"]) or real(spec))
     with pytest.raises(ValidationError, match="already holds files"):
         _tune(tiny_base(), tiny_space(run_dir))

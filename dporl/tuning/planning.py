@@ -58,6 +58,14 @@ class TrialPrivacy:
         return tuple(sorted(parts, key=repr))
 
     @staticmethod
+    def from_ledger(ledger: Any) -> "TrialPrivacy":
+        """The events a trial's ledger holds (e.g. read back from its write-ahead journal)."""
+        stages = tuple(PlannedStage(s.name, tuple((e, int(c)) for e, c in s.accountant.history), s.cells)
+                       for s in ledger.stages.values())
+        cells = () if ledger.unit_partition is None else tuple(ledger.unit_partition.names)
+        return TrialPrivacy(stages, cells)
+
+    @staticmethod
     def from_report(report: Any) -> "TrialPrivacy":
         """The events a trial's ledger recorded, from its ``privacy_report.json`` (validated: a malformed report is
         a ValidationError naming it)."""

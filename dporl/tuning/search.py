@@ -47,7 +47,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import ROOT_BITS, SecretRoot
 from dporl.privacy.selection import TrialCount, calibrate_trial_budget, describe_search, selection_epsilon, trial_rdp
 from dporl.privacy.units import dataset_unit
-from dporl.train.run_dir import RunDirectory, RunMode
+from dporl.train.run_dir import RunDirectory, RunMode, read_journal
 from dporl.tuning.config import TuneConfig
 from dporl.tuning.planning import TrialPrivacy, trial_kind
 from dporl.tuning.trials import progress_bar, run_trials
@@ -163,7 +163,11 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
             continue
         data = kind.trial_config(base, candidates[i], budget=(trial_epsilon, delta), released=released,
                                  seed=int(seeds[i]), run_dir=str(trial_dir), data=loaded.trial_data)
-        mode_i = "resume" if trial_dir.exists() and any(trial_dir.iterdir()) else "new"
+        # A trial an earlier attempt finished is read back; one it left unfinished starts again from scratch with the
+        # same seed: its partial outputs were never released, and a rerun draws the same randomness (one sample of
+        # the trial, as charged).
+        mode_i = ("resume" if (trial_dir / "curator" / "summary.json").is_file() else
+                  "overwrite" if trial_dir.exists() and any(trial_dir.iterdir()) else "new")
         specs.append({"index": i, "pipeline": kind.pipeline, "config": data, "mode": mode_i,
                       "threads": tune.threads_per_trial, "log": str(trial_dir.parent / f"{name}.log")})
     planned_curve = trial_rdp(event.trial)
@@ -174,13 +178,14 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
         i = spec["index"]
         record = {"status": outcome["status"], "error": outcome["error"], "seconds": outcome["seconds"],
                   "score": None}
-        if outcome["status"] == "done":
-            release = Path(spec["config"]["run_dir"]) / "release"
-            summary = read_json(release / "summary.json", "trial.summary")
-            report = read_json(release / "privacy_report.json", "trial.privacy_report")
-            realised = trial_rdp(TrialPrivacy.from_report(report).parts())
+        trial_dir = Path(spec["config"]["run_dir"])
+        journal = trial_dir / "curator" / "journal.json"
+        if journal.is_file():  # what the trial charged, done or failed (its write-ahead journal)
+            realised = trial_rdp(TrialPrivacy.from_ledger(read_journal(journal)).parts())
             if np.any(realised > planned_curve * (1 + CURVE_RTOL) + 1e-12):
                 ledger.void("a trial's ledger recorded more than the search planned and charged for it")
+        if outcome["status"] == "done":
+            summary = read_json(trial_dir / "release" / "summary.json", "trial.summary")
             try:
                 record["score_key"], record["score"] = kind.score(summary, tune.score.key)
             except ValidationError as exc:

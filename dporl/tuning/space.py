@@ -113,17 +113,9 @@ class SearchSpace:
 
 def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     """``data`` (a plain config mapping) with dotted ``key`` set to ``value`` (nested sections created), in place."""
-    node = data
-    parts = key.split(".")
-    for depth, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ValidationError(".".join(parts[: depth + 1]), "is not a section; cannot set a sub-key")
-        node = child
-    node[parts[-1]] = value
-    return data
+    from dporl.utils.config import set_dotted
+
+    return set_dotted(data, key.split("."), value)
 
 
 def get_key(data: Mapping[str, Any], key: str) -> Any:
