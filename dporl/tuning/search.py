@@ -14,10 +14,13 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
    "trial/i" of the search's root (its run's ``noise_seed``) and draws its candidate from that root's stream
    "candidate"; K, the seeds and the candidates are journaled (curator-only) and the search event is CHARGED, before
    any trial runs (write-ahead: a crash can never under-count, and a resumed search reuses K, the seeds, the
-   candidates and every finished trial, charging nothing twice);
+   candidates and every finished trial, charging nothing twice; a trial it left unfinished starts again from
+   scratch with its own seed: nothing of the unfinished attempt was released, and the rerun draws the same
+   randomness, one sample of the trial as charged);
 5. the trials run (``dporl.tuning.trials``: sequentially, or on Ray), each a whole private run into
    ``RUN/curator/trials/trial_NNNN`` (its own ledger at the trial budget, its stdout in ``trial_NNNN.log``); each
-   trial's recorded events are checked against the plan (more would void the search's guarantee);
+   trial's journaled events, finished or failed, are checked against the plan (more would void the search's
+   guarantee);
 6. the trial with the best score (a number of its own ``release/summary.json``: its private evaluation, or its
    return in the public simulator; failed trials rank last, ties go to the earlier trial: the trials are i.i.d.,
    so that is a uniformly random choice among the best) has its ``release/`` copied to ``RUN/release/`` (its
