@@ -212,9 +212,15 @@ def test_one_pipeline_registry_knows_every_pipeline_module():
 
 
 def test_every_shipped_config_names_a_known_pipeline_and_parses():
+    """Pipeline configs parse as their pipeline's; the others are search spaces (``dporl tune --space``)."""
+    from dporl.tuning.config import TuneConfig
+
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         data = load_yaml(path)
-        pipeline = get_pipeline(data.get("pipeline"))
+        if "pipeline" not in data:
+            from_dict(TuneConfig, data)
+            continue
+        pipeline = get_pipeline(data["pipeline"])
         from_dict(pipeline.config_cls, data)
 
 

@@ -41,6 +41,7 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
+    SelectionEvent,
     event_from_dict,
     event_to_dict,
 )
@@ -209,6 +210,10 @@ def rdp_curve(event: PrivacyEvent) -> np.ndarray:
         )
         accountant.compose(dp_accounting.LaplaceDpEvent(event.noise_multiplier))
         return np.asarray(accountant.rdp, dtype=float)
+    if isinstance(event, SelectionEvent):  # Papernot & Steinke 2022 (dporl.privacy.selection)
+        from dporl.privacy.selection import selection_rdp
+
+        return selection_rdp(event)
     if isinstance(event, ReplaceOneEvent):
         raise ValidationError(
             "accountant.mechanism",
@@ -399,6 +404,9 @@ def _build_pld(event: PrivacyEvent, d: float):
             "accountant.mechanism",
             "the pld accountant has no construction for sampling without replacement; use mechanism='rdp'",
         )
+    if isinstance(event, SelectionEvent):
+        raise ValidationError("accountant.mechanism", "a private selection's analysis is a Renyi curve (Papernot & "
+                              "Steinke 2022), not a privacy loss distribution; use mechanism='rdp'")
     raise ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
 
 
@@ -538,6 +546,8 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
             event = doubled_sensitivity(event.event)
         if isinstance(event, MixtureEvent):
             event = event.event
+        if isinstance(event, SelectionEvent):  # no closed form: the Renyi analysis alone answers
+            return math.inf
         if isinstance(event, (PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent)):
             rho += count / (2 * event.noise_multiplier**2)
         elif isinstance(event, LaplaceEvent):

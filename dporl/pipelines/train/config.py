@@ -92,6 +92,10 @@ class TrainPipelineConfig:
     # one unit's data replaced (the number of units is public), every mechanism analysed for replace-one.
     relation: Literal["add_remove", "replace_one"] = "add_remove"
     count_fraction: float = 0.01  # add_remove: the count's share of epsilon (its delta: 0, or its lower bound's)
+    # add_remove: a count released before this run by a search over many runs (dporl.tuning), as the count stage
+    # releases it ({count, cells, epsilon}). The run then releases none and derives everything count-dependent from
+    # it; the search's ledger accounts that count once for all its runs, this run's ledger does not.
+    released_count: Optional[dict[str, Any]] = None
     # Secret by default: a known noise seed lets anyone subtract the noise (see dporl.privacy.noise).
     noise_seed: Optional[int] = None
     data: DataConfig = field(default_factory=lambda: DataConfig(dataset="data/cartpole.npz"))
@@ -113,6 +117,11 @@ class TrainPipelineConfig:
             raise ValidationError("relation", f"expected 'add_remove' or 'replace_one', got {self.relation!r}")
         if self.batch_size < 1:
             raise ValidationError("batch_size", f"must be >= 1, got {self.batch_size}")
+        method = self.method_spec
+        if self.released_count is not None and (self.relation != "add_remove" or not method.private_training
+                                                or method.release):
+            raise ValidationError("released_count", "a count released before the run serves add/remove dp_sgd runs "
+                                  "only (the release methods check a lower bound of their own count)")
 
     @property
     def method_spec(self) -> UnitLevelMethod:
@@ -124,8 +133,9 @@ class TrainPipelineConfig:
         return Relation.ADD_REMOVE if self.relation == "add_remove" else Relation.REPLACE_ONE
 
     def count_budget(self) -> Optional[Budget]:
-        """(epsilon, delta) of the private count of the units: add/remove runs with a guarantee only."""
-        if self.relation != "add_remove":
+        """(epsilon, delta) of the private count of the units: add/remove runs with a guarantee that release no count
+        given before the run (``released_count``) only."""
+        if self.relation != "add_remove" or self.released_count is not None:
             return None
         return self.method_spec.count_budget(self.epsilon, self.delta, self.count_fraction)
 

@@ -16,7 +16,7 @@ from dporl.methods.unit_level import TRAIN_STAGE
 from dporl.pipelines.offline_eval import EvaluationPlan, check_cells
 from dporl.pipelines.train.config import Budget, TrainPipelineConfig
 from dporl.pipelines.unit_count import check_delta_below_one_over_n, public_units
-from dporl.privacy.count import COUNT_STAGE, Units
+from dporl.privacy.count import COUNT_STAGE, CountPlan, ReleasedCount, Units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.relations import analysed_for
 from dporl.train.config import DPConfig
@@ -100,6 +100,11 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
                               "so not below 1/n for any number of units n DP-SGD can sample from; lower delta")
     if budgets and config.relation == "replace_one":  # the counts are public: every check now
         units = public_units(dataset, None if plan is None else plan.partition)
+        return replace(checked, units=units, sigma=after_count(config, budgets, checked, units, plan))
+    if budgets and config.released_count is not None:  # released (and accounted) before the run: every check now
+        cells = None if plan is None or plan.partition is None else plan.partition.names
+        units = ReleasedCount.from_dict(config.released_count,
+                                        CountPlan(config.released_count.get("epsilon"), cells)).units()
         return replace(checked, units=units, sigma=after_count(config, budgets, checked, units, plan))
     return checked
 
