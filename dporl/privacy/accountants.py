@@ -11,7 +11,7 @@ analyses of the events in ``dporl.privacy.events``:
   RDP_mix(a) = 1/(a-1) log(1 - p + p exp((a-1) RDP_q(a))) (the branch taken is observable).
   An (epsilon, delta) event has no RDP curve: refused, use "pld".
 - ``"pld"``: privacy loss distributions (``dp_accounting.pld``, pessimistic "connect the dots" discretisation,
-  both add and remove directions), composed exactly by FFT. Tight for (epsilon, delta) pairs
+  both add and remove directions, on a grid adapted to the events: ``dporl.privacy.pld``), composed exactly by FFT. Tight for (epsilon, delta) pairs
   (Kairouz-Oh-Viswanath style: each pair as its worst-case PLD), Laplace, Poisson Gaussian and the mixture
   PLD_mix = (1 - p) point_mass(0) + p PLD_q. Sampling without replacement is refused (no PLD construction here).
 - ``"prv"``: Opacus' PRV accountant (Gopi et al. 2021), Poisson Gaussian only; other events are refused. Opacus
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
@@ -43,8 +43,10 @@ from dporl.privacy.events import (
     event_from_dict,
     event_to_dict,
 )
-from dporl.utils.validation import ValidationError, check_probability
+from dporl.privacy.pld import _COMPOSED as _COMPOSED_PLDS  # noqa: F401  (benchmarks clear it)
+from dporl.privacy.pld import COARSEST, compose, epsilon_for_delta, event_pld, history_interval
 from dporl.privacy.units import Relation
+from dporl.utils.validation import ValidationError, check_probability
 
 Mechanism = Literal["rdp", "prv", "pld"]
 MECHANISMS: tuple[str, ...] = ("rdp", "prv", "pld")
@@ -64,10 +66,6 @@ _IS_FRACTIONAL = RDP_ORDERS != np.round(RDP_ORDERS)
 # needs large orders for small epsilons), which made calibration fall back to the unamplified bound.
 SWOR_EXACT_MAX_ORDER = 256
 
-# PLD loss discretisation. Pessimistic rounding keeps every value an upper bound; 1e-3 is 10x faster than
-# dp_accounting's 1e-4 and over-states epsilon by < 0.2% + 0.005 (absolute, visible at eps ~ 0.2) on the
-# (q, sigma, steps) grid of tests/test_accountants.py.
-PLD_DISCRETIZATION = 1e-3
 # Opacus' PRV accountant: epsilon is reported to within this additive error (its upper bound is returned).
 PRV_EPS_ERROR = 0.01
 
@@ -287,62 +285,32 @@ def _rdp_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> f
 
 
 # --------------------------------------------------------------------------------------------- PLDs
-@functools.lru_cache(maxsize=256)
-def event_pld(event: PrivacyEvent):
-    """Pessimistic PLD (both adjacency directions) of one event, on the ``PLD_DISCRETIZATION`` grid."""
-    from dp_accounting import pld
-    from dp_accounting.pld import privacy_loss_distribution as plds
-
-    d = PLD_DISCRETIZATION
-    if isinstance(event, PoissonGaussianEvent):
-        return plds.from_gaussian_mechanism(
-            event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d
-        )
-    if isinstance(event, MixtureEvent):
-        # PLD of (branch, output) is (1 - p) * point_mass(0) + p * PLD_q, for the add and the remove direction.
-        return event_pld(event.event).compute_mixture(plds.identity(d), event.probability)
-    if isinstance(event, LaplaceEvent):
-        return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=d)
-    if isinstance(event, ApproxDPEvent):
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(event.epsilon, event.delta), value_discretization_interval=d
-        )
-    if isinstance(event, SampledWithoutReplacementGaussianEvent):
-        raise ValidationError(
-            "accountant.mechanism",
-            "the pld accountant has no construction for sampling without replacement; use mechanism='rdp'",
-        )
-    raise ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
-
-
-_COMPOSED_PLDS: "OrderedDict[tuple, Any]" = OrderedDict()
-_COMPOSED_CACHE_SIZE = 16
-
-
-def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
-    """PLD of a whole history (order does not matter: composition commutes); None when nothing was spent."""
+def _spent_counts(history: Iterable[tuple[PrivacyEvent, int]]) -> Counter:
     counts: Counter = Counter()
     for event, count in history:
         if count and not spends_nothing(event):
             counts[event] += count
-    key = tuple(sorted(counts.items(), key=repr))
-    if key in _COMPOSED_PLDS:
-        _COMPOSED_PLDS.move_to_end(key)
-        return _COMPOSED_PLDS[key]
-    result = None
-    for event, count in key:
-        part = event_pld(event)
-        part = part.self_compose(count) if count > 1 else part
-        result = part if result is None else result.compose(part)
-    _COMPOSED_PLDS[key] = result
-    if len(_COMPOSED_PLDS) > _COMPOSED_CACHE_SIZE:
-        _COMPOSED_PLDS.popitem(last=False)
-    return result
+    return counts
 
 
-def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    pld = composed_pld(history)
-    return 0.0 if pld is None else max(0.0, float(pld.get_epsilon_for_delta(delta)))
+def composed_pld(history: Iterable[tuple[PrivacyEvent, int]], coarsening: int = 1):
+    """PLD of a whole history (order does not matter: composition commutes) on its events' grid
+    (``dporl.privacy.pld.history_interval``), or on a grid ``coarsening`` times coarser (at most the coarsest);
+    None when nothing was spent."""
+    counts = _spent_counts(history)
+    if not counts:
+        return None
+    return compose(counts, interval=history_interval(counts, coarsening))
+
+
+def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int = 1) -> float:
+    """The PLD's epsilon, never below one step of its grid: below that the grid does not resolve it (a PLD that
+    reports (0, delta) is then charged one step, so epsilon stays positive and non-decreasing in every count, and
+    non-increasing in the noise, whose grid gets finer as it grows)."""
+    pld = composed_pld(history, coarsening)
+    if pld is None:
+        return 0.0
+    return max(float(epsilon_for_delta(pld, delta)), pld._pmf_remove._discretization)
 
 
 # --------------------------------------------------------------------------------------------- PRV
@@ -421,6 +389,25 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
     return pure_epsilon + rho + 2 * math.sqrt(rho * math.log(1 / remaining))
 
 
+def _checked_history(events: Sequence[tuple[PrivacyEvent, int]], delta: float) -> list[tuple[PrivacyEvent, int]]:
+    check_probability("delta", delta, allow_zero=False, allow_one=False)
+    history = [(event, check_count("count", count)) for event, count in events]
+    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
+    if len(relations) > 1:
+        raise ValidationError(
+            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
+        )
+    return history
+
+
+def _never_free(epsilon: float, history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
+    """The smaller of a backend's epsilon and the closed-form bound (the latter where the backend reports 0)."""
+    if any(c and not spends_nothing(e) for e, c in history):
+        bound = _closed_form_epsilon(history, float(delta))
+        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
+    return epsilon
+
+
 def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechanism: Mechanism) -> float:
     """Epsilon at ``delta`` of the composition of ``count`` runs of each ``event``, by ``mechanism``.
 
@@ -429,22 +416,28 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
     RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free.
     """
     check_mechanism(mechanism)
-    check_probability("delta", delta, allow_zero=False, allow_one=False)
-    history = [(event, check_count("count", count)) for event, count in events]
-    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
-    if len(relations) > 1:
-        raise ValidationError(
-            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
-        )
+    history = _checked_history(events, delta)
     if not any(c for _, c in history):
         for event, _ in history:
             check_analysable(event, mechanism)
         return 0.0
-    epsilon = _EPSILON_FUNCTIONS[mechanism](history, float(delta))
-    if any(c and not spends_nothing(e) for e, c in history):
-        bound = _closed_form_epsilon(history, float(delta))
-        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
-    return epsilon
+    return _never_free(_EPSILON_FUNCTIONS[mechanism](history, float(delta)), history, delta)
+
+
+def coarse_pld_epsilon(events: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int) -> float:
+    """``epsilon_for(events, delta, "pld")`` on a grid ``coarsening`` times coarser than the events' own (at most the
+    coarsest grid, where it is ``epsilon_for`` itself): a looser upper bound at a fraction of the cost, which searches
+    use to get close before they evaluate the real analysis."""
+    history = _checked_history(events, delta)
+    if not _spent_counts(history):
+        return 0.0
+    return _never_free(_pld_epsilon(history, float(delta), coarsening), history, delta)
+
+
+def pld_is_coarsest(events: Sequence[tuple[PrivacyEvent, int]]) -> bool:
+    """Whether the PLD analysis of ``events`` already uses the coarsest grid (``coarse_pld_epsilon`` is then exact)."""
+    counts = _spent_counts(events)
+    return not counts or history_interval(counts) >= COARSEST
 
 
 def paper_mixture_epsilon(
