@@ -12,8 +12,9 @@ less for short runs. A fixed grid is therefore loose exactly where long runs tak
 steps, epsilon 1 overstates epsilon by 14%) and needlessly fine elsewhere.
 
 Each event here gets the coarsest grid of the nested ladder COARSEST / 2^j with d <= GRID_SCALE * s (its relative
-overstatement below ~0.35%, usually ~0.1%); an (epsilon, delta) event, whose loss is rounded up by at most d per
-composition, gets d <= epsilon / 512. A history is composed on the finest grid any of its events asks for, floored
+overstatement below ~0.13%); an (epsilon, delta) event, built by connect-the-dots around its two finite losses
+(``approx_dp_pld``: compositions of them lose almost nothing on any grid), gets d <= epsilon / 128, which bounds
+the rounding of a lone one. A history is composed on the finest grid any of its events asks for, floored
 so that no event's single-step PLD exceeds MAX_EVENT_POINTS grid points. The grid depends on the events only, never
 on how many times they are composed: for a fixed set of events the reported epsilon is non-decreasing in every count
 (what budget checks and step-count searches rely on). Finer nested grids never report more (the connect-the-dots
@@ -30,8 +31,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections import Counter, OrderedDict
-from typing import Any, Iterable, Optional
+from collections import OrderedDict
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from dporl.utils.validation import ValidationError
 COARSEST = 1e-3  # the coarsest grid (events with a wide per-step loss)
 FINEST_LEVEL = 14  # the finest grid is COARSEST / 2^14 ~ 6e-8
 GRID_SCALE = 0.125  # d <= GRID_SCALE * s: relative overstatement of epsilon ~ 8.5 GRID_SCALE^2 % (0.13%) at most
-APPROX_DP_GRID = 1 / 512  # (epsilon, delta) events: d <= epsilon / 512 (rounding up costs <= 0.2% of epsilon)
+APPROX_DP_GRID = 1 / 128  # (epsilon, delta) events: d <= epsilon / 128 (a lone one is rounded up by < 0.8%)
 MAX_EVENT_POINTS = 2**21  # a history's grid is never so fine that one event's PLD exceeds this many points
 
 
@@ -230,10 +231,34 @@ def gaussian_pld(noise_multiplier: float, sample_rate: float, interval: float, *
     return plds._pld_for_subsampled_mechanism(single, sample_rate)
 
 
+def approx_dp_pld(epsilon: float, delta: float, interval: float):
+    """The pessimistic PLD of a mechanism known only to be (epsilon, delta)-DP, by connect-the-dots.
+
+    Its worst case (Kairouz, Oh, Viswanath 2015) has privacy loss +infinity with probability delta, epsilon with
+    (1 - delta) / (1 + e^-epsilon) and -epsilon with (1 - delta) / (1 + e^epsilon), so its hockey-stick divergence
+    is delta(x) = delta + sum over the two finite losses L of P(L) (1 - e^(x - L))_+. dp_accounting's
+    ``from_privacy_parameters`` rounds both losses up to the grid (every composition then moves up by up to a grid
+    step); here the connect-the-dots PMF (Doroshenko et al. 2022) is built on the grid points around -epsilon and
+    epsilon from the exact delta(x) at those points: delta(x) is convex in e^x and linear between the two kinks, so the
+    interpolation is exact there and an upper bound everywhere, and compositions lose almost nothing (< 0.01% on the
+    1e-3 grid at 10 or more events in tests, where rounding up costs up to 20%). A lone event still reports epsilon
+    rounded up to the grid.
+    """
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld import privacy_loss_distribution as plds
+
+    points = sorted({math.floor(-epsilon / interval), math.ceil(-epsilon / interval),
+                     math.floor(epsilon / interval), math.ceil(epsilon / interval)})
+    upper = (1 - delta) / (1 + math.exp(-epsilon))
+    lower = (1 - delta) / (1 + math.exp(epsilon))
+    x = np.array(points, dtype=float) * interval
+    deltas = delta + upper * np.maximum(0.0, -np.expm1(x - epsilon)) + lower * np.maximum(0.0, -np.expm1(x + epsilon))
+    return plds.PrivacyLossDistribution(pld_pmf.create_pmf_pessimistic_connect_dots(interval, points, deltas))
+
+
 @functools.lru_cache(maxsize=128)
 def event_pld(event: PrivacyEvent, interval: Optional[float] = None):
     """Pessimistic PLD (both add/remove directions) of one event, on ``interval`` (default: its own grid)."""
-    from dp_accounting import pld
     from dp_accounting.pld import privacy_loss_distribution as plds
 
     d = event_interval(event) if interval is None else interval
@@ -245,9 +270,7 @@ def event_pld(event: PrivacyEvent, interval: Optional[float] = None):
     if isinstance(event, LaplaceEvent):
         return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=d)
     if isinstance(event, ApproxDPEvent):
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(event.epsilon, event.delta), value_discretization_interval=d
-        )
+        return approx_dp_pld(event.epsilon, event.delta, d)
     if isinstance(event, SampledWithoutReplacementGaussianEvent):
         raise ValidationError(
             "accountant.mechanism",
@@ -294,7 +317,7 @@ def _pmf_epsilon(pmf, delta: float) -> float:
         lower_after = np.cumsum(np.exp(-losses) * probs)
     upper_before = np.concatenate([[infinity], upper_after[:-1]])
     lower_before = np.concatenate([[0.0], lower_after[:-1]])
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         stop = (upper_before > delta) & (lower_before > 0) & (
             np.log((upper_before - delta) / np.where(lower_before > 0, lower_before, 1.0)) >= losses
         )
@@ -324,7 +347,7 @@ _COMPOSED: "OrderedDict[tuple, Any]" = OrderedDict()
 _COMPOSED_CACHE_SIZE = 8
 
 
-def compose(counts: "Counter[PrivacyEvent]", build=event_pld, interval: Optional[float] = None):
+def compose(counts: Mapping[PrivacyEvent, int], build=event_pld, interval: Optional[float] = None):
     """PLD of ``count`` compositions of each event (composition commutes), on ``interval`` (default: the history's
     grid); ``build(event, interval)`` makes one event's PLD. None when nothing is composed."""
     counts = {event: count for event, count in counts.items() if count}
@@ -352,6 +375,7 @@ def clear_caches() -> None:
 
 __all__ = [
     "COARSEST",
+    "approx_dp_pld",
     "GRID_SCALE",
     "compose",
     "event_interval",
