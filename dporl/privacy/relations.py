@@ -12,8 +12,9 @@ Replacing x by x' is removing x and then adding x' (D -> D + x' -> D'), and this
   with probability q and pull the clipped sum in opposite directions, so the worst pair of outputs is
   (1 - q) N(0, s^2) + q N(-1, s^2) against (1 - q) N(0, s^2) + q N(+1, s^2) (per-unit norm 1, noise multiplier s):
   its privacy loss is the remove loss plus the add loss at the same output. Composed exactly (FFT), pessimistic
-  discretisation ``REPLACE_ONE_DISCRETIZATION`` (1e-4: at sample rates 1e-3..1e-2 and up to 3e4 steps it is within
-  0.3% of 2e-5, while 1e-3 overstates epsilon by up to 30%).
+  discretisation on the events' add/remove grid (``dporl.privacy.pld``: finer for narrower per-step losses), at most
+  ``REPLACE_ONE_DISCRETIZATION`` (1e-4: at sample rates 1e-3..1e-2 and up to 3e4 steps it is within 0.3% of 2e-5,
+  while 1e-3 overstates epsilon by up to 30%).
 - Laplace: the replace-one L1 sensitivity is at most twice the add/remove one (triangle inequality through D + x'),
   exact for the unsampled mechanism.
 - An event known only as (eps, delta)-DP for add/remove: group privacy over the two steps, (2 eps, (1 + e^eps) delta)
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from collections import Counter
+from typing import Callable, Iterable, Optional, Sequence
 
 from dporl.privacy.accountants import (
     Mechanism,
@@ -47,6 +49,7 @@ from dporl.privacy.events import (
     PoissonGaussianEvent,
     PrivacyEvent,
 )
+from dporl.privacy.pld import approx_dp_pld, compose, epsilon_for_delta, gaussian_pld, history_interval
 from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -80,21 +83,24 @@ def check_relation(field: str, relation: Relation | str) -> Relation:
     return relation
 
 
-@functools.lru_cache(maxsize=256)
-def replace_one_pld(event: PrivacyEvent):
-    """The replace-one privacy loss distribution of one add/remove ``event`` (see the module docstring)."""
-    import dp_accounting
-    from dp_accounting import pld
+def replace_one_interval(events: Iterable[PrivacyEvent]) -> float:
+    """The grid a replace-one history is composed on: the add/remove grid of its events (``dporl.privacy.pld``;
+    a replacement's loss is wider, so that grid is if anything finer than it needs), at most
+    ``REPLACE_ONE_DISCRETIZATION``. Depends on the set of events, not on their counts."""
+    return min(REPLACE_ONE_DISCRETIZATION, history_interval(events))
+
+
+@functools.lru_cache(maxsize=128)
+def replace_one_pld(event: PrivacyEvent, interval: Optional[float] = None):
+    """The replace-one privacy loss distribution of one add/remove ``event`` (see the module docstring), on
+    ``interval`` (default: the event's own replace-one grid)."""
     from dp_accounting.pld import privacy_loss_distribution as plds
 
-    d = REPLACE_ONE_DISCRETIZATION
+    d = replace_one_interval([event]) if interval is None else interval
     if isinstance(event, PoissonGaussianEvent):
-        return plds.from_gaussian_mechanism(
-            event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d,
-            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
-        )
+        return gaussian_pld(event.noise_multiplier, event.sample_rate, d, replace_one=True)
     if isinstance(event, MixtureEvent):
-        return replace_one_pld(event.event).compute_mixture(plds.identity(d), event.probability)
+        return replace_one_pld(event.event, d).compute_mixture(plds.identity(d), event.probability)
     if isinstance(event, LaplaceEvent):
         return plds.from_laplace_mechanism(event.noise_multiplier, sensitivity=2, value_discretization_interval=d)
     if isinstance(event, ApproxDPEvent):
@@ -102,9 +108,7 @@ def replace_one_pld(event: PrivacyEvent):
             (event.epsilon, event.delta) if event.replace_one
             else (2 * event.epsilon, min(1.0, (1 + math.exp(event.epsilon)) * event.delta))
         )
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(epsilon, delta), value_discretization_interval=d
-        )
+        return approx_dp_pld(epsilon, delta, d)
     raise ValidationError(
         "event", f"no replace-one PLD for {type(event).__name__}; it is analysed for replace-one natively (use rdp)"
     )
@@ -124,20 +128,17 @@ def _doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
 
 
 def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    counts: dict[PrivacyEvent, int] = {}
+    counts: Counter = Counter()
     for event, count in history:
         if count and not spends_nothing(event):
-            counts[event] = counts.get(event, 0) + count
+            counts[event] += count
     if not counts:
         return 0.0
-    composed = None
-    for event, count in counts.items():
-        part = replace_one_pld(event)
-        part = part.self_compose(count) if count > 1 else part
-        composed = part if composed is None else composed.compose(part)
-    epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
-    bound = _closed_form_epsilon([(_doubled_sensitivity(e), c) for e, c in counts.items()], delta)
-    return bound if epsilon == 0.0 else min(epsilon, bound)
+    interval = replace_one_interval(counts)
+    composed = compose(counts, build=replace_one_pld, interval=interval)
+    # Never below one grid step (as ``epsilon_for``'s PLD): positive, and monotone in counts and noise.
+    epsilon = max(float(epsilon_for_delta(composed, delta)), interval)
+    return min(epsilon, _closed_form_epsilon([(_doubled_sensitivity(e), c) for e, c in counts.items()], delta))
 
 
 def epsilon_for_relation(
