@@ -11,7 +11,8 @@ analyses of the events in ``dporl.privacy.events``:
   RDP_mix(a) = 1/(a-1) log(1 - p + p exp((a-1) RDP_q(a))) (the branch taken is observable).
   An (epsilon, delta) event has no RDP curve: refused, use "pld".
 - ``"pld"``: privacy loss distributions (``dp_accounting.pld``, pessimistic "connect the dots" discretisation,
-  both add and remove directions, on a grid adapted to the events: ``dporl.privacy.pld``), composed exactly by FFT. Tight for (epsilon, delta) pairs
+  both add and remove directions, on a grid adapted to the events: ``dporl.privacy.pld``), composed exactly by
+  FFT. Tight for (epsilon, delta) pairs
   (Kairouz-Oh-Viswanath style: each pair as its worst-case PLD), Laplace, Poisson Gaussian and the mixture
   PLD_mix = (1 - p) point_mass(0) + p PLD_q. Sampling without replacement is refused (no PLD construction here).
 - ``"prv"``: Opacus' PRV accountant (Gopi et al. 2021), Poisson Gaussian only; other events are refused. Opacus
@@ -43,7 +44,6 @@ from dporl.privacy.events import (
     event_from_dict,
     event_to_dict,
 )
-from dporl.privacy.pld import _COMPOSED as _COMPOSED_PLDS  # noqa: F401  (benchmarks clear it)
 from dporl.privacy.pld import COARSEST, compose, epsilon_for_delta, event_pld, history_interval
 from dporl.privacy.units import Relation
 from dporl.utils.validation import ValidationError, check_probability

@@ -73,9 +73,7 @@ def loss_spread(event: PrivacyEvent) -> Optional[float]:
     if isinstance(event, PoissonGaussianEvent):
         sigma, q = event.noise_multiplier, event.sample_rate
         inverse = 1.0 / sigma
-        with np.errstate(over="ignore"):
-            subsampled = q * math.sqrt(math.expm1(min(inverse**2, 700.0)))
-        return min(subsampled, inverse)
+        return min(q * math.sqrt(math.expm1(min(inverse**2, 700.0))), inverse)
     if isinstance(event, LaplaceEvent):
         return 1.0 / event.noise_multiplier
     return None
@@ -142,8 +140,10 @@ def history_interval(events: Iterable[PrivacyEvent], coarsening: float = 1) -> f
 
 
 # --------------------------------------------------------------------------------------------- construction
+@functools.lru_cache(maxsize=None)
 def _gaussian_loss_class():
-    """dp_accounting's Gaussian privacy loss with the inverse privacy loss of many losses as one vector operation."""
+    """dp_accounting's Gaussian privacy loss with the inverse privacy loss of many losses as one vector operation
+    (a class made on first use: dp_accounting is imported lazily)."""
     from dp_accounting.pld import privacy_loss_mechanism as plm
 
     adjacency = plm.AdjacencyType
@@ -205,22 +205,15 @@ def _gaussian_loss_class():
     return VectorisedGaussianPrivacyLoss
 
 
-_GAUSSIAN_LOSS: Any = None
-
-
 def gaussian_pld(noise_multiplier: float, sample_rate: float, interval: float, *, replace_one: bool = False,
                  sensitivity: float = 1.0):
     """dp_accounting's pessimistic connect-the-dots PLD of the Poisson-subsampled Gaussian mechanism
     (``from_gaussian_mechanism``: add/remove, both directions; or replace-one), built with vectorised inverse losses."""
-    global _GAUSSIAN_LOSS
     from dp_accounting.pld import privacy_loss_distribution as plds
     from dp_accounting.pld import privacy_loss_mechanism as plm
 
-    if _GAUSSIAN_LOSS is None:
-        _GAUSSIAN_LOSS = _gaussian_loss_class()
-
     def single(direction):
-        loss = _GAUSSIAN_LOSS(noise_multiplier, sensitivity=sensitivity, sampling_prob=sample_rate,
+        loss = _gaussian_loss_class()(noise_multiplier, sensitivity=sensitivity, sampling_prob=sample_rate,
                               adjacency_type=direction)
         return plds._create_pld_pmf_from_monotone_privacy_loss(
             loss, pessimistic_estimate=True, value_discretization_interval=interval, use_connect_dots=True
