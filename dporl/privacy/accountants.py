@@ -11,7 +11,8 @@ analyses of the events in ``dporl.privacy.events``:
   RDP_mix(a) = 1/(a-1) log(1 - p + p exp((a-1) RDP_q(a))) (the branch taken is observable).
   An (epsilon, delta) event has no RDP curve: refused, use "pld".
 - ``"pld"``: privacy loss distributions (``dp_accounting.pld``, pessimistic "connect the dots" discretisation,
-  both add and remove directions), composed exactly by FFT. Tight for (epsilon, delta) pairs
+  both add and remove directions, on a grid adapted to the events: ``dporl.privacy.pld``), composed exactly by
+  FFT. Tight for (epsilon, delta) pairs
   (Kairouz-Oh-Viswanath style: each pair as its worst-case PLD), Laplace, Poisson Gaussian and the mixture
   PLD_mix = (1 - p) point_mass(0) + p PLD_q. Sampling without replacement is refused (no PLD construction here).
 - ``"prv"``: Opacus' PRV accountant (Gopi et al. 2021), Poisson Gaussian only; other events are refused. Opacus
@@ -28,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -44,8 +45,18 @@ from dporl.privacy.events import (
     event_from_dict,
     event_to_dict,
 )
-from dporl.utils.validation import ValidationError, check_probability
+from dporl.privacy.pld import (
+    COARSEST,
+    AnalysisTooLarge,
+    CompositionTooLarge,
+    check_constructible,
+    check_grid,
+    compose,
+    epsilon_for_delta,
+    history_interval,
+)
 from dporl.privacy.units import Relation
+from dporl.utils.validation import ValidationError, check_probability
 
 Mechanism = Literal["rdp", "prv", "pld"]
 MECHANISMS: tuple[str, ...] = ("rdp", "prv", "pld")
@@ -65,21 +76,8 @@ _IS_FRACTIONAL = RDP_ORDERS != np.round(RDP_ORDERS)
 # needs large orders for small epsilons), which made calibration fall back to the unamplified bound.
 SWOR_EXACT_MAX_ORDER = 256
 
-# PLD loss discretisation. Pessimistic rounding keeps every value an upper bound; 1e-3 is 10x faster than
-# dp_accounting's 1e-4 and over-states epsilon by < 0.2% + 0.005 (absolute, visible at eps ~ 0.2) on the
-# (q, sigma, steps) grid of tests/test_accountants.py.
-PLD_DISCRETIZATION = 1e-3
 # Opacus' PRV accountant: epsilon is reported to within this additive error (its upper bound is returned).
 PRV_EPS_ERROR = 0.01
-# Largest grid (points of one privacy-loss pmf, or of a PRV domain) an analysis may build. A grid grows as
-# 1 / (sigma^2 discretisation) per event and with the composed count: a noise multiplier of 0.001 asks for ~1e9
-# points (GBs and minutes) where no budget could fit anyway. Beyond the cap the grid is not built and the event's
-# RDP bound (or the closed-form bound) answers instead: also an upper bound, computed in milliseconds.
-PLD_MAX_POINTS = 1 << 22
-# One event's pmf costs a few microseconds per point to build (dp_accounting evaluates the mechanism's CDF there).
-PLD_MAX_EVENT_POINTS = 1 << 20
-# Gaussian privacy losses are built over +-this many standard deviations (dp_accounting truncates at mass e^-50).
-_GAUSSIAN_TAIL_SDS = 10.0
 # An (epsilon, delta) guarantee with delta this large protects nobody (delta is the chance that everything leaks);
 # there the analyses degenerate (the exact epsilon is 0 for most mechanisms), so the accountants refuse it.
 MAX_DELTA = 0.1
@@ -114,10 +112,6 @@ def check_count(field: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
-class AnalysisTooLarge(ValidationError):
-    """A numerical analysis would need a grid beyond ``PLD_MAX_POINTS``; ``epsilon_for`` answers with another bound."""
-
-
 def check_delta(delta: Any, field: str = "delta", allow_zero: bool = False) -> float:
     """A delta an (epsilon, delta) guarantee can use: in (0, MAX_DELTA] (``allow_zero``: [0, MAX_DELTA], e.g. the
     budget of a pure-DP stage)."""
@@ -127,49 +121,6 @@ def check_delta(delta: Any, field: str = "delta", allow_zero: bool = False) -> f
             field, f"{delta:g} is too large for a guarantee: delta is the probability that the privacy protection fails "
             f"outright, so it must be far below 1 / (number of people) (at most {MAX_DELTA:g} here; 1e-5 is usual)")
     return delta
-
-
-def pld_grid_points(event: PrivacyEvent, discretization: float = PLD_DISCRETIZATION, sensitivity: float = 1.0) -> int:
-    """An upper estimate of the number of points of ``event``'s privacy-loss pmf on a grid of ``discretization``,
-    computed from the event's parameters before anything is built (``sensitivity``: 2 for replace-one)."""
-    if isinstance(event, MixtureEvent):
-        return pld_grid_points(event.event, discretization, sensitivity)
-    if isinstance(event, PoissonGaussianEvent):
-        sigma = event.noise_multiplier / sensitivity
-        loss_range = 2 * (1 / (2 * sigma**2) + _GAUSSIAN_TAIL_SDS / sigma)
-    elif isinstance(event, LaplaceEvent):
-        loss_range = 2 * sensitivity / event.noise_multiplier
-    elif isinstance(event, ApproxDPEvent):
-        loss_range = 2 * sensitivity * event.epsilon
-    else:
-        return 0
-    return int(min(loss_range / discretization, 1e18)) + 2
-
-
-def check_grid(what: str, points: float, cap: int = PLD_MAX_POINTS) -> None:
-    """Refuse (``AnalysisTooLarge``) a privacy-loss grid of more than ``cap`` points."""
-    if points > cap:
-        raise AnalysisTooLarge(
-            "accountant", f"{what} needs a privacy-loss grid of about {points:.3g} points (at most {cap}); its noise "
-            "is too small for a numerical analysis at this resolution")
-
-
-def composed_points(pld: Any, count: int) -> int:
-    """Points of ``pld`` self-composed ``count`` times, before dp_accounting builds it: its own Chernoff bounds on
-    the truncated convolution (dense pmfs) or the full support (sparse ones), for both directions."""
-    from dp_accounting.pld import common
-
-    largest = 0
-    for pmf in (pld._pmf_remove, pld._pmf_add):  # dp_accounting keeps the two directions here
-        probs = getattr(pmf, "_probs", None)
-        if probs is not None:
-            lower, upper = common.compute_self_convolve_bounds(probs, count, 1e-15)
-            points = upper - lower + 1
-        else:
-            keys = list(getattr(pmf, "_loss_probs", {}) or [0])
-            points = (max(keys) - min(keys)) * count + 1
-        largest = max(largest, int(points))
-    return largest
 
 
 def spends_nothing(event: PrivacyEvent) -> bool:
@@ -364,103 +315,33 @@ def _rdp_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> f
 
 
 # --------------------------------------------------------------------------------------------- PLDs
-@functools.lru_cache(maxsize=256)
-def event_pld(event: PrivacyEvent):
-    """Pessimistic PLD (both adjacency directions) of one event, on the ``PLD_DISCRETIZATION`` grid; refused
-    (``AnalysisTooLarge``) when its grid would exceed ``PLD_MAX_EVENT_POINTS``, before anything is built."""
-    check_grid(f"{event}", pld_grid_points(event), PLD_MAX_EVENT_POINTS)
-    return _build_pld(event, PLD_DISCRETIZATION)
-
-
-def _build_pld(event: PrivacyEvent, d: float):
-    from dp_accounting import pld
-    from dp_accounting.pld import privacy_loss_distribution as plds
-
-    if isinstance(event, PoissonGaussianEvent):
-        return plds.from_gaussian_mechanism(
-            event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d
-        )
-    if isinstance(event, MixtureEvent):
-        # PLD of (branch, output) is (1 - p) * point_mass(0) + p * PLD_q, for the add and the remove direction.
-        inner = event_pld(event.event) if d == PLD_DISCRETIZATION else _build_pld(event.event, d)
-        return inner.compute_mixture(plds.identity(d), event.probability)
-    if isinstance(event, LaplaceEvent):
-        return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=d)
-    if isinstance(event, ApproxDPEvent):
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(event.epsilon, event.delta), value_discretization_interval=d
-        )
-    if isinstance(event, ReplaceOneEvent):
-        from dporl.privacy.relations import replace_one_pld
-
-        return replace_one_pld(event.event)
-    if isinstance(event, SampledWithoutReplacementGaussianEvent):
-        raise ValidationError(
-            "accountant.mechanism",
-            "the pld accountant has no construction for sampling without replacement; use mechanism='rdp'",
-        )
-    raise ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
-
-
-# The coarse grid that predicts a composition's size has about this many points per event.
-_PREDICTION_POINTS = 20_000
-
-
-def predicted_composed_points(event: PrivacyEvent, count: int) -> int:
-    """Points of ``count`` self-compositions of ``event``'s PLD, predicted without building the fine grid: trivially
-    when ``count`` x the event's points fits ``PLD_MAX_POINTS``, else from the same composition bound on a grid
-    ``r`` times coarser (about ``_PREDICTION_POINTS`` points, milliseconds), times ``r``."""
-    points = pld_grid_points(event)
-    if points * count <= PLD_MAX_POINTS:
-        return points * count
-    ratio = max(1, points // _PREDICTION_POINTS)
-    coarse = event_pld(event) if ratio == 1 else _build_pld(event, PLD_DISCRETIZATION * ratio)
-    return composed_points(coarse, count) * ratio
-
-
-_COMPOSED_PLDS: "OrderedDict[tuple, Any]" = OrderedDict()
-_COMPOSED_CACHE_SIZE = 16
-
-
-def compose_sized(counted: Iterable[tuple[PrivacyEvent, int]], pld_of: Callable[[PrivacyEvent], Any], what: str = ""):
-    """``count`` self-compositions of ``pld_of(event)`` for every (event, count), composed; each result grid sized
-    (``check_grid``) before dp_accounting builds it. None for no events."""
-    result = None
-    for event, count in counted:
-        part = pld_of(event)
-        if count > 1:
-            check_grid(f"{count} x {event}{what}", composed_points(part, count))
-            part = part.self_compose(count)
-        if result is not None:
-            check_grid("the composed history", max(result._pmf_remove.size + part._pmf_remove.size,
-                                                   result._pmf_add.size + part._pmf_add.size))
-        result = part if result is None else result.compose(part)
-    return result
-
-
-def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
-    """PLD of a whole history (order does not matter: composition commutes); None when nothing was spent."""
+def _spent_counts(history: Iterable[tuple[PrivacyEvent, int]]) -> Counter:
     counts: Counter = Counter()
     for event, count in history:
         if count and not spends_nothing(event):
             counts[event] += count
-    key = tuple(sorted(counts.items(), key=repr))
-    if key in _COMPOSED_PLDS:
-        _COMPOSED_PLDS.move_to_end(key)
-        return _COMPOSED_PLDS[key]
-    for event, count in key:
-        if count > 1:  # predicted before the event's fine grid is built
-            check_grid(f"{count} x {event}", predicted_composed_points(event, count))
-    result = compose_sized(key, event_pld)
-    _COMPOSED_PLDS[key] = result
-    if len(_COMPOSED_PLDS) > _COMPOSED_CACHE_SIZE:
-        _COMPOSED_PLDS.popitem(last=False)
-    return result
+    return counts
 
 
-def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    pld = composed_pld(history)
-    return 0.0 if pld is None else max(0.0, float(pld.get_epsilon_for_delta(delta)))
+def composed_pld(history: Iterable[tuple[PrivacyEvent, int]], coarsening: int = 1):
+    """PLD of a whole history (order does not matter: composition commutes) on its events' grid
+    (``dporl.privacy.pld.history_interval``), or on a grid ``coarsening`` times coarser (at most the coarsest);
+    None when nothing was spent. Sized before it is built (``dporl.privacy.pld.compose``)."""
+    counts = _spent_counts(history)
+    if not counts:
+        return None
+    return compose(counts, interval=history_interval(counts, coarsening))
+
+
+def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int = 1) -> float:
+    """The PLD's epsilon, never below one step of its grid: below that the grid does not resolve it (a PLD that
+    reports (0, delta) is then charged one step, so epsilon stays positive and non-decreasing in every count, and
+    non-increasing in the noise, whose grid gets finer as it grows; a composition coarsened to fit its size cap
+    only coarsens further as counts grow)."""
+    pld = composed_pld(history, coarsening)
+    if pld is None:
+        return 0.0
+    return max(float(epsilon_for_delta(pld, delta)), pld._pmf_remove._discretization)
 
 
 # --------------------------------------------------------------------------------------------- PRV
@@ -500,14 +381,14 @@ _EPSILON_FUNCTIONS = {"rdp": _rdp_epsilon, "pld": _pld_epsilon, "prv": _prv_epsi
 
 
 def check_analysable(event: PrivacyEvent, mechanism: str) -> None:
-    """Raise (with the reason) if ``mechanism`` cannot analyse ``event``; cheap for rdp/pld (cached)."""
+    """Raise (with the reason) if ``mechanism`` cannot analyse ``event``; cheap (nothing is composed)."""
     check_mechanism(mechanism)
     if spends_nothing(event):
         return
     if mechanism == "rdp":
         rdp_curve(event)
     elif mechanism == "pld":
-        event_pld(event)
+        check_constructible(event)  # whatever its size: one too large to build is answered by another bound
     else:
         _check_prv(event)
 
@@ -553,13 +434,44 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
     return pure_epsilon + rho + 2 * math.sqrt(rho * math.log(1 / remaining))
 
 
+def _checked_history(events: Sequence[tuple[PrivacyEvent, int]], delta: float) -> list[tuple[PrivacyEvent, int]]:
+    check_delta(delta, allow_zero=True)
+    history = [(event, check_count("count", count)) for event, count in events]
+    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
+    if len(relations) > 1 and delta > 0:
+        raise ValidationError(
+            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
+        )
+    return history
+
+
 def _rdp_fallback(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
     """The RDP bound of ``history`` where every spending event has a Renyi curve, else inf (the closed-form bound of
-    ``epsilon_for`` then answers): what a numerical analysis too large to build is replaced by."""
+    ``epsilon_for`` then answers): what a PLD or PRV analysis too large to build is replaced by."""
     try:
         return _rdp_epsilon([(e, c) for e, c in history if c and not spends_nothing(e)], delta)
-    except ValidationError:  # an (epsilon, delta) event: no Renyi curve
+    except ValidationError:  # an (epsilon, delta) event or a replace-one conversion: no Renyi curve
         return math.inf
+
+
+def _bounded(analysis: Callable[[], float], history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
+    """``analysis()``, or where its grid would be too large to build the bound that replaces it, then never free:
+    the smaller of that and the closed-form bound (the latter alone where the backend reports 0).
+
+    Monotone in every count like the analyses themselves: an event too large to build (``AnalysisTooLarge``) is a
+    property of the set of events, answered by the RDP bound for every count; a composition too large on every grid
+    (``CompositionTooLarge``) stays so at larger counts, and is answered by the closed-form bound, which is at least
+    what any smaller count reported (that is the smaller of its backend and the same closed form)."""
+    try:
+        epsilon = analysis()
+    except CompositionTooLarge:
+        epsilon = math.inf
+    except AnalysisTooLarge:
+        epsilon = _rdp_fallback(history, delta)
+    if any(c and not spends_nothing(e) for e, c in history):
+        bound = _closed_form_epsilon(history, delta)
+        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
+    return epsilon
 
 
 def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechanism: Mechanism) -> float:
@@ -567,34 +479,44 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
 
     The result is the smaller of two upper bounds: the backend's and the closed-form one of ``_closed_form_epsilon``.
     The latter matters only at very large noise multipliers, where the numerical analyses hit their floors (the
-    RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free.
+    RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free. At
+    ``delta`` = 0: the pure-DP epsilon (``pure_epsilon``).
 
-    Bounded in time and memory: ``delta`` above ``MAX_DELTA`` is refused (``check_delta``), and a PLD or PRV grid
-    larger than ``PLD_MAX_POINTS`` (tiny noise multipliers, sized before anything is built) is replaced by the RDP
-    bound, or the closed-form one for events without a Renyi curve; every answer is still an upper bound.
+    Bounded in time and memory: ``delta`` above ``MAX_DELTA`` is refused (``check_delta``); PLD grids are sized
+    before they are built (``dporl.privacy.pld``): an event whose PMF would be too large (a tiny noise multiplier)
+    is answered by the RDP bound (or the closed-form one for events without a Renyi curve), a composition too large
+    is built on a coarser grid (or answered by the closed-form bound); a PRV domain too large, by the RDP bound.
+    Every answer is an upper bound, and PLD answers stay non-decreasing in every count.
     """
     check_mechanism(mechanism)
-    check_delta(delta, allow_zero=True)
-    history = [(event, check_count("count", count)) for event, count in events]
+    history = _checked_history(events, delta)
     if delta == 0:
         return pure_epsilon(history)
-    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
-    if len(relations) > 1:
-        raise ValidationError(
-            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
-        )
     if not any(c for _, c in history):
         for event, _ in history:
             check_analysable(event, mechanism)
         return 0.0
-    try:
-        epsilon = _EPSILON_FUNCTIONS[mechanism](history, float(delta))
-    except AnalysisTooLarge:  # a grid too large to build: the RDP bound (where every event has one) answers
-        epsilon = _rdp_fallback(history, float(delta))
-    if any(c and not spends_nothing(e) for e, c in history):
-        bound = _closed_form_epsilon(history, float(delta))
-        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
-    return epsilon
+    delta = float(delta)
+    return _bounded(lambda: _EPSILON_FUNCTIONS[mechanism](history, delta), history, delta)
+
+
+def coarse_pld_epsilon(events: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int) -> float:
+    """``epsilon_for(events, delta, "pld")`` on a grid ``coarsening`` times coarser than the events' own (at most the
+    coarsest grid, where it is ``epsilon_for`` itself): a looser upper bound at a fraction of the cost, which searches
+    use to get close before they evaluate the real analysis."""
+    history = _checked_history(events, delta)
+    if delta == 0:
+        return pure_epsilon(history)
+    if not _spent_counts(history):
+        return 0.0
+    delta = float(delta)
+    return _bounded(lambda: _pld_epsilon(history, delta, coarsening), history, delta)
+
+
+def pld_is_coarsest(events: Sequence[tuple[PrivacyEvent, int]]) -> bool:
+    """Whether the PLD analysis of ``events`` already uses the coarsest grid (``coarse_pld_epsilon`` is then exact)."""
+    counts = _spent_counts(events)
+    return not counts or history_interval(counts) >= COARSEST
 
 
 def pure_epsilon(history: Sequence[tuple[PrivacyEvent, int]]) -> float:
