@@ -306,10 +306,7 @@ def tightness_grid(points: list[tuple[float, int, float]]) -> None:
         worst = max(worst, ours / theirs)
         fixed_sigmas[(q, steps, epsilon)] = float(f"{theirs:.3g}")
         finer = finer_referee_sigma(q, steps, epsilon, ours, grid) if grid < REFEREE_GRID else None
-        finer_text = f"{'-':>9} {'-':>7}" if finer is None else f"{finer:>9.5g} {ours / finer:>7.4f}"
-        print(f"{q:>6g} {steps:>8d} {epsilon:>4g} | {ours:>9.5g} {theirs:>9.5g} {ours / theirs:>7.4f} | "
-              f"{grid:>8.3g} {check:>17.5f} {finer_text} | {ours_s:>7.3f} {theirs_s:>7.2f} "
-              f"{theirs_s / max(ours_s, 1e-9):>7.1f}x", flush=True)
+        _print_row(f"{q:>6g} {steps:>8d} {epsilon:>4g}", ours, theirs, ".5g", grid, check, finer, ours_s, theirs_s)
     print(f"largest ratio dporl / referee: {worst:.4f}; every dporl sigma fits under the finer grid; load "
           f"{os.getloadavg()[0]:.2f}")
 
@@ -334,12 +331,17 @@ def tightness_grid(points: list[tuple[float, int, float]]) -> None:
         assert check <= epsilon * (1 + 1e-9), (q, sigma, epsilon, ours, check)
         lowest = min(lowest, ours / theirs)
         finer = finer_referee_steps(q, sigma, epsilon, ours, grid) if grid < REFEREE_GRID else None
-        finer_text = f"{'-':>9} {'-':>7}" if finer is None else f"{finer:>9d} {ours / finer:>7.4f}"
-        print(f"{q:>6g} {sigma:>8.4g} {epsilon:>4g} | {ours:>9d} {theirs:>9d} {ours / theirs:>7.4f} | "
-              f"{grid:>8.3g} {check:>17.5f} {finer_text} | {ours_s:>7.3f} {theirs_s:>7.2f} "
-              f"{theirs_s / max(ours_s, 1e-9):>7.1f}x", flush=True)
+        _print_row(f"{q:>6g} {sigma:>8.4g} {epsilon:>4g}", ours, theirs, "d", grid, check, finer, ours_s, theirs_s)
     print(f"smallest ratio dporl / referee: {lowest:.4f}; every dporl count fits under the finer grid; load "
           f"{os.getloadavg()[0]:.2f}")
+
+
+def _print_row(point: str, ours, theirs, form: str, grid: float, check: float, finer, ours_s: float,
+               theirs_s: float) -> None:
+    """One row of the tightness tables: the point, both answers and their ratio, the check, the finer referee."""
+    finer_text = f"{'-':>9} {'-':>7}" if finer is None else f"{finer:>9{form}} {ours / finer:>7.4f}"
+    print(f"{point} | {ours:>9{form}} {theirs:>9{form}} {ours / theirs:>7.4f} | {grid:>8.3g} {check:>17.5f} "
+          f"{finer_text} | {ours_s:>7.3f} {theirs_s:>7.2f} {theirs_s / max(ours_s, 1e-9):>7.1f}x", flush=True)
 
 
 def main() -> None:
