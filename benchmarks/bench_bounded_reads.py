@@ -5,8 +5,8 @@
    refused before inflating). Baseline: what a reader that inflates first does, ``np.load(path)["observations"]``
    (numpy allocates the declared array and inflates it; a shape check can only follow).
 2. A PLD analysis whose grid explodes: 60 Poisson-Gaussian steps at noise multiplier 0.05 (q = 0.25), a ~9M-point
-   composed grid on the 1e-3 grid. Candidate: ``epsilon_for(..., "pld")`` (sized first; composed on a coarser grid
-   that fits, which for a loss this wide costs nothing in tightness). Baseline:
+   composed grid on the 1e-3 grid. Candidate: ``epsilon_for(..., "pld")`` (sized first: a loss this wide, ~400 nats
+   per step, has no PLD here, and the RDP bound answers). Baseline:
    dp_accounting's PLD built and composed directly (what the accountant did; at 0.001 it asks for 3.8 GiB).
 
 Baseline and candidate are interleaved, each repeated; medians of wall time (untraced) and of peak traced

@@ -313,7 +313,7 @@ def test_compositions_beyond_the_point_cap_coarsen_and_stay_monotone_in_counts(s
 def test_a_composition_too_large_on_every_grid_is_the_closed_form_bound(small_composition_cap, monkeypatch):
     """Where no grid up to MAX_COARSENING fits, the closed-form bound answers (never the RDP bound: it can be below
     the PLD answer of a smaller count, and the switch depends on the count); it is at least every smaller count's
-    answer. An event too large on its own grid is a property of the events and is answered by RDP at every count."""
+    answer. An event too wide to build is a property of the events and is answered by RDP at every count."""
     from dporl.privacy.accountants import _closed_form_epsilon
 
     pld = small_composition_cap
@@ -323,6 +323,10 @@ def test_a_composition_too_large_on_every_grid_is_the_closed_form_bound(small_co
     assert values[-1] == _closed_form_epsilon([(event, 1000)], DELTA)
     assert values[0] < _closed_form_epsilon([(event, 10)], DELTA)
     assert all(a < b for a, b in zip(values, values[1:]))
-    tiny = PoissonGaussianEvent(0.01, 0.25)  # about 2e7 points on the coarsest grid
-    for n in (1, 2, 60, 1000):
-        assert epsilon_for([(tiny, n)], DELTA, "pld") == epsilon_for([(tiny, n)], DELTA, "rdp")
+    # Losses wider than MAX_LOSS_RANGE (sigma 0.05: ~400 nats, a 9M-point composition at 60 steps on the 1e-3 grid;
+    # sigma 0.01: ~2e7 points for one step): the RDP bound at every count, before any PMF is built.
+    for tiny in (PoissonGaussianEvent(0.05, 0.25), PoissonGaussianEvent(0.01, 0.25)):
+        assert pld._loss_range(tiny) > pld.MAX_LOSS_RANGE
+        values = [epsilon_for([(tiny, n)], DELTA, "pld") for n in (1, 2, 60, 1000)]
+        assert values == [epsilon_for([(tiny, n)], DELTA, "rdp") for n in (1, 2, 60, 1000)]
+        assert values == sorted(values)

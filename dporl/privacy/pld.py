@@ -26,9 +26,9 @@ vector operation instead of a Python call per grid point (the same formulas; equ
 floating-point rounding): 5-8x faster at fine grids.
 
 Resources are bounded before anything is built. One event's PMF has at most ``event_points`` points, computed from
-its parameters; an event wider than MAX_EVENT_POINTS even on the coarsest grid (a tiny noise multiplier) is refused
-with ``AnalysisTooLarge``, which depends on the set of events only, and the accountants then answer with another
-upper bound (RDP or closed form). A composition's size is predicted from the single-step PMFs
+its parameters; an event whose privacy loss spans more than MAX_LOSS_RANGE (a tiny noise multiplier), or whose PMF
+would exceed MAX_EVENT_POINTS, is refused with ``AnalysisTooLarge``, which depends on the set of events only, and
+the accountants then answer with another upper bound (RDP or closed form). A composition's size is predicted from the single-step PMFs
 (``pld_fft.plan_self_composition``); above MAX_COMPOSED_POINTS the history is composed on a grid 2, 4, ... times
 coarser, which fits (the window shrinks with the grid) and never reports less (nested grids, as above). Because the
 predicted size is non-decreasing in every count, that coarsening is too, and epsilon stays non-decreasing in every
@@ -65,6 +65,9 @@ FINEST_LEVEL = 14  # the finest grid is COARSEST / 2^14 ~ 6e-8
 GRID_SCALE = 0.125  # d <= GRID_SCALE * s: relative overstatement of epsilon ~ 8.5 GRID_SCALE^2 % (0.13%) at most
 APPROX_DP_GRID = 1 / 128  # (epsilon, delta) events: d <= epsilon / 128 (a lone one is rounded up by < 0.8%)
 MAX_EVENT_POINTS = 2**21  # a history's grid is never so fine that one event's PLD exceeds this many points
+# An event whose privacy loss spans more than this many nats (a tiny noise multiplier: a single step already costs
+# epsilon ~ 100, beyond any budget) has no PLD here: its histories are answered by the RDP bound, in milliseconds.
+MAX_LOSS_RANGE = 256.0
 MAX_COMPOSED_POINTS = 2**22  # points of a composed PLD (each direction); beyond, a coarser grid
 MAX_COARSENING = 2**16  # compositions are coarsened at most this many times (then CompositionTooLarge)
 # Replace-one PLDs: at most this grid (at sample rates 1e-3..1e-2 and up to 3e4 steps within 0.3% of 2e-5, where
@@ -168,6 +171,16 @@ def event_points(event: PrivacyEvent, interval: float) -> int:
     """An upper bound on the points of ``event``'s PMF (either direction, dense) on a grid of ``interval``, from its
     parameters alone (before it is built)."""
     return int(min(_loss_range(event) / interval, 1e18)) + 3
+
+
+def check_event_size(event: PrivacyEvent, interval: float) -> None:
+    """``AnalysisTooLarge`` (before anything is built) for an event whose loss spans more than MAX_LOSS_RANGE or whose
+    PMF on ``interval`` would exceed MAX_EVENT_POINTS (on a history's grid: only an event too wide for the coarsest)."""
+    if _loss_range(event) > MAX_LOSS_RANGE:
+        raise AnalysisTooLarge(
+            "accountant", f"{event}: its privacy loss spans {_loss_range(event):.3g} nats per event (at most "
+            f"{MAX_LOSS_RANGE:g} are analysed by PLD); its noise is too small for any budget")
+    check_grid(f"{event}", event_points(event, interval), MAX_EVENT_POINTS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -354,7 +367,7 @@ def event_pld(event: PrivacyEvent, interval: Optional[float] = None):
 
     d = event_interval(event) if interval is None else interval
     check_constructible(event)
-    check_grid(f"{event}", event_points(event, d), MAX_EVENT_POINTS)
+    check_event_size(event, d)
     if isinstance(event, ReplaceOneEvent):
         return replace_one_pld(event.event, d)
     if isinstance(event, PoissonGaussianEvent):
@@ -404,7 +417,7 @@ def compose(counts: Mapping[PrivacyEvent, int], interval: Optional[float] = None
         _COMPOSED.move_to_end(key)
         return _COMPOSED[key]
     for event in counts:  # the events' own sizes, before anything is built
-        check_grid(f"{event}", event_points(event, d), MAX_EVENT_POINTS)
+        check_event_size(event, d)
     coarsening, plans = 1, _planned(counts, d)
     while plans is None:
         coarsening *= 2
