@@ -57,7 +57,21 @@ def train(args: argparse.Namespace) -> int:
         pipeline = get_pipeline(data.get("pipeline"))
         return pipeline.run(from_dict(pipeline.config_cls, data), mode=args.mode or "new")
 
-    return run_cli(work, as_json=args.json)
+    return run_cli(work, as_json=args.json, resume_command=resume_command())
+
+
+def resume_command(argv: Optional[list[str]] = None) -> str:
+    """The command line that continues this run: the one that started it (``sys.orig_argv``: ``python -m dporl``,
+    ``dporl`` or ``train.py``) with ``--overwrite`` / ``--resume`` replaced by one ``--resume``."""
+    import shlex
+
+    words = list(sys.orig_argv if argv is None else argv)
+    if len(words) > 1 and Path(words[1]).name == "dporl":  # the installed console script
+        words = ["dporl", *words[2:]]
+    elif words and Path(words[0]).name.startswith("python"):
+        words[0] = "python"
+    kept = [w for w in words if w not in ("--overwrite", "--resume")]
+    return shlex.join(kept + ["--resume"])
 
 
 def train_main(argv: Optional[list[str]] = None, prog: str = "dporl train") -> int:

@@ -103,7 +103,7 @@ def test_a_full_disk_during_torch_save_is_a_named_error_and_leaves_no_temporary_
         _FullDisk(real_open(path, mode, *a, **k), room) if "w" in mode else real_open(path, mode, *a, **k)),
         raising=False)
     payload = {"pipeline": "p", "config_sha256": "0", "step": 1, "budget_steps": 2, "algorithm": {"w": torch.ones(512)},
-               "optimizer": {}, "scheduler": {}, "eval_history": [], "rng": {}}
+               "optimizer": {}, "scheduler": {}, "eval_history": [], "rng": {}, "journal": {"seq": 0, "charged": {}}}
     with pytest.raises(io.DiskFullError) as refused:
         save_checkpoint(target, payload)
     assert refused.value.field == "disk" and "last.pt" in str(refused.value)

@@ -52,14 +52,18 @@ def known_pipelines() -> list[str]:
     return sorted(_MODULES)
 
 
-def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
+def run_cli(work: Callable[[], Any], as_json: bool = False, resume_command: Optional[str] = None) -> int:
     """A command line's outcome: a short human summary of ``work()``'s result on stdout, ending with the headline
     metrics and the guarantee (``as_json``: the whole result as JSON, for machines), exit 0; or the bad input, named
-    by its field, on stderr (exit 2). Full configs and summaries live in the run directory, not on the screen."""
+    by its field, on stderr (exit 2); or, stopped by SIGINT / SIGTERM, where it stopped and ``resume_command`` (the
+    command that continues it), on stderr, exit 130 / 143, no traceback. Full configs and summaries live in the run
+    directory, not on the screen."""
+    from dporl.train.interrupt import Interrupted, terminate_as_interrupt
     from dporl.utils.io import disk_full_cause, disk_full_error
 
     try:
-        result = work()
+        with terminate_as_interrupt():
+            result = work()
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -69,6 +73,13 @@ def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
             raise
         print(f"error: {disk_full_error(exc.filename or 'a file', cause)}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted(2, "before it finished")
+        hint = f"; continue with: {resume_command}" if resume_command else ""
+        print(f"\ninterrupted {stopped.where}{hint}", file=sys.stderr)
+        if stopped.detail:
+            print(f"  ({stopped.detail})", file=sys.stderr)
+        return stopped.exit_code
     print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0
 

@@ -54,8 +54,12 @@ class DatasetConfig:
 
 def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     out_dir = Path(config.out_dir)
-    run_dir = RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True)
-    check_inputs_outside(run_dir, {"expert_set_path": config.expert_set_path})  # --overwrite keeps the user's input
+    with RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True) as run_dir:
+        check_inputs_outside(run_dir, {"expert_set_path": config.expert_set_path})  # --overwrite keeps the user's input
+        return _generate(config, run_dir, out_dir)
+
+
+def _generate(config: DatasetConfig, run_dir: RunDirectory, out_dir: Path) -> dict[str, Any]:
     if run_dir.finished:  # this very generation is already on disk
         return run_dir.read_summary()
     # Refuse an impossible p_min before spending minutes to hours on experts.

@@ -63,6 +63,7 @@ stream "unit_count/noise".
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -97,19 +98,21 @@ from dporl.pipelines.unit_count import (
 )
 from dporl.privacy.accountants import check_delta, paper_mixture_epsilon
 from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, Units
+from dporl.privacy.events import event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.relations import CONVERSION, analysed_for
 from dporl.privacy.units import Relation
 from dporl.privacy.samplers import MixtureSource
 from dporl.privacy.units import dataset_unit
+from dporl.train import interrupt
 from dporl.train.config import DPConfig, TrainerConfig
 from dporl.train.export import save_policy
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.train.trainer import Trainer, plan_privacy
 from dporl.utils.config import from_dict, to_dict
 from dporl.utils.device import resolve_device
-from dporl.utils.io import atomic_write_json
+from dporl.utils.io import atomic_write_json, read_json
 from dporl.utils.seeding import seeded
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
@@ -256,7 +259,8 @@ def check_generation(generate: dict[str, Any], out_dir: Optional[str | Path] = N
     if replaced is not None and Path(config.out_dir).resolve().is_relative_to(replaced.resolve()):
         return
     try:
-        RunDirectory(config.out_dir, pipeline="dataset", config=to_dict(config), mode="resume", curator_only=True)
+        RunDirectory(config.out_dir, pipeline="dataset", config=to_dict(config), mode="resume",
+                     curator_only=True).close()
     except ValidationError as exc:
         if exc.field != "run_dir":
             raise
@@ -304,6 +308,7 @@ def run_release(
     run: RunDirectory,
     root: SecretRoot,
     units: Units,
+    plan: ReleasePlan,
 ) -> tuple[TrajectoryDataset, dict[str, Any]]:
     """(D_stable, the release's public summary); a paid release of this run is reused, never repeated. The
     precondition m p_min >= G0 is checked on ``units`` (the released count's lower bound, or the public count).
@@ -311,24 +316,46 @@ def run_release(
     Order (write-ahead): the release stage's T events are journaled before any query is answered (the ledger is
     the run's journaled ledger), then the artifacts are written (D_stable and its public summary to release/, which
     expert each run followed to curator/), then the journal marks the release complete with D_stable's
-    fingerprint. A resumed run reuses a complete release after checking that fingerprint; an attempt that was
-    authorised but never completed has spent its budget, and a second release is refused rather than left
-    uncounted. D_unstable is the whole logged dataset (the release never reads it): nothing to write.
+    fingerprint. A resumed run reuses a complete release after checking that the journal charges exactly the T
+    events ``plan`` (the release's plan, ``plan_release``) records, that ``release.json`` says T runs and that
+    D_stable is the one the journal fingerprinted; an attempt that was authorised but never completed has spent its
+    budget, and a second release is refused rather than left uncounted; release files without their journal events
+    are refused too. D_unstable is the whole logged dataset (the release never reads it): nothing to write.
     """
+    expected = PrivacyLedger(relation=ledger.relation)
+    account(plan, expected)  # the events this configuration's release records
+    expected_history = (expected.stages[RELEASE_STAGE].accountant.history if RELEASE_STAGE in expected.stages
+                        else [])
     manifest = run.completed(RELEASE_STAGE)
     if manifest is not None:
+        check_recorded(ledger, RELEASE_STAGE, [e for e, _ in expected_history], run.journal_path,
+                       exactly=sum(c for _, c in expected_history))
+        public = read_json(run.release / "release.json", "release")
+        if not isinstance(public, dict) or public.get("runs") != config.release.trajectories or \
+                manifest.get("public", {}).get("runs") != config.release.trajectories:
+            raise ValidationError(
+                "release", f"{run.release / 'release.json'} or the release manifest in {run.journal_path} does not "
+                f"record the {config.release.trajectories} runs this configuration releases: refusing to train on "
+                "a release whose size the journal and the files disagree on"
+            )
         stable = TrajectoryDataset.load(run.release / "d_stable.npz")
-        if stable.fingerprint() != manifest["d_stable"]:
+        if stable.fingerprint() != manifest["d_stable"] or stable.n_episodes > config.release.trajectories:
             raise ValidationError("release", f"the release files in {run.root} differ from the release its journal "
                                   "recorded: refusing to train on them")
         return stable, manifest["public"]
     if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
+        check_recorded(ledger, RELEASE_STAGE, [e for e, _ in expected_history], run.journal_path,
+                       exactly=sum(c for _, c in expected_history))
+        written = _written_release(run, plan, config)
+        if written is not None:  # stopped after its files, before its completion mark: the paid release, reused
+            return written
         raise PrivacyBudgetError(
             "release",
             f"an earlier attempt of this run authorised the stable-prefix release (its events are charged in "
             f"{run.journal_path}) but did not finish writing it; a second release would not fit the budget. Start a "
             "new run_dir (or --overwrite: the interrupted attempt's spend is then not part of the new guarantee)",
         )
+    check_no_orphan_release(run, ledger)
     result = release_stable_prefixes(
         dataset, experts, epsilon=budget[0], delta=budget[1], config=config.release, root=root, ledger=ledger,
         progress=config.trainer.progress, units=units,
@@ -340,6 +367,67 @@ def run_release(
     public = result.summary()
     run.complete(RELEASE_STAGE, {"public": public, "d_stable": result.stable.fingerprint()})
     return result.stable, public
+
+
+def check_no_orphan_release(run: RunDirectory, ledger: PrivacyLedger) -> None:
+    """Refuse release files that no journal event pays for (checked before the run spends anything): a journal put
+    back from before the release, or files copied in; releasing again would leave the first release uncounted."""
+    if RELEASE_STAGE in ledger.stages and len(ledger.stages[RELEASE_STAGE].accountant):
+        return
+    left = [name for name in ("d_stable.npz", "release.json") if (run.release / name).exists()]
+    if left:
+        raise ValidationError(
+            "release", f"{run.release} holds {', '.join(left)} but the journal records no release: a release "
+            "artifact without its journal events; refusing to release again. Start a new run_dir (or --overwrite)"
+        )
+
+
+def _written_release(run: RunDirectory, plan: ReleasePlan, config: ExpertCQLConfig
+                     ) -> Optional[tuple[TrajectoryDataset, dict[str, Any]]]:
+    """The release an earlier attempt charged and wrote whole (D_stable, then release.json: each written atomically)
+    but did not mark complete, or None when its files are not all there. Its public summary must be the one this
+    configuration's plan produces; it is then marked complete, never run again."""
+    d_stable, summary = run.release / "d_stable.npz", run.release / "release.json"
+    if not (d_stable.is_file() and summary.is_file()):
+        return None
+    stable = TrajectoryDataset.load(d_stable)
+    public = read_json(summary, "release")
+    expected = {"source": plan.source, "runs": plan.trajectories, "released_prefixes": stable.n_episodes,
+                "stable_transitions": stable.n_transitions, "epsilon_prime": plan.budget.epsilon_prime,
+                "beta": plan.budget.beta, "threshold": plan.budget.threshold, "noise_scale": plan.budget.noise_scale}
+    if not isinstance(public, dict) or any(public.get(key) != value for key, value in expected.items()) \
+            or stable.n_episodes > plan.trajectories:
+        raise ValidationError("release", f"{summary} does not describe the release this configuration charged: "
+                              "refusing to train on it or to release again. Start a new run_dir (or --overwrite)")
+    if not (run.curator / "release_runs.json").is_file():
+        print("release: the curator's record of which expert each run followed was not written before the stop; "
+              "it is lost (the release itself is whole)", file=sys.stderr)
+    print("release: an earlier attempt charged and wrote the stable-prefix release but stopped before marking it "
+          "complete: reusing it (charged once, never run again)", file=sys.stderr)
+    run.complete(RELEASE_STAGE, {"public": public, "d_stable": stable.fingerprint()})
+    return stable, public
+
+
+def check_recorded(ledger: PrivacyLedger, stage: str, events: list, journal: Path,
+                   exactly: Optional[int] = None) -> None:
+    """Refuse a journal whose ``stage`` charged other events than ``events`` (what this configuration produces), or,
+    with ``exactly``, another number of them: the journal was edited, or is not this configuration's."""
+    if stage not in ledger.stages:
+        if exactly:
+            raise ValidationError(f"journal.{stage}", f"{journal} records no stage {stage!r}, which this run "
+                                  "completed: refusing to resume")
+        return
+    history = ledger.stages[stage].accountant.history
+    foreign = [event for event, _ in history if event not in events]
+    count = sum(c for _, c in history)
+    if foreign or (exactly is not None and count != exactly):
+        raise ValidationError(
+            f"journal.{stage}", f"{journal} records {count} events {[event_to_dict(e) for e in foreign][:2] or ''} "
+            f"in stage {stage!r}, but this configuration "
+            f"{'charges exactly ' + str(exactly) + ' of ' if exactly is not None else 'charges '}"
+            f"{[event_to_dict(e) for e in events]}: refusing to resume from a journal that does not say what this run "
+            "spent"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -422,22 +510,30 @@ def run(config: ExpertCQLConfig, mode: RunMode = "new", dataset: Optional[Trajec
     """One expert_cql run in ``config.run_dir`` (``mode``: see ``dporl.train.run_dir``); returns the public summary.
 
     ``dataset``: a dataset handed over in Python (``data.format: memory``; the Python API's path).
-    Every check (config hash, input hashes, data, evaluation, network sizes, budgets) happens before the first
-    write; a finished run with the same provenance is read back, not repeated.
+    The run directory is locked first (one process per run directory). Every check (config hash, input hashes,
+    data, evaluation, network sizes, budgets) happens before the run begins; data generated into the run directory
+    are its only earlier writes, removed again if the run is refused. A finished run with the same provenance is
+    read back, not repeated.
     """
     device = resolve_device(config.trainer.device, "trainer.device")  # a named error before any write
     if (dataset is not None) != (config.data.format == "memory"):
         raise ValidationError("data.format", "format 'memory' is for a dataset handed over in Python "
                               "(run(config, dataset=...)), and only it takes one")
-    run = RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode)
-    check_inputs_outside(run, data_inputs(config.data))  # --overwrite never deletes the user's inputs
+    if config.eval.enabled and config.eval.env_id is not None:
+        simulator_id(config.eval, config.eval.env_id)  # a config-only refusal, before the run directory is touched
+    with RunDirectory(config.run_dir, pipeline="expert_cql", config=to_dict(config), mode=mode) as run:
+        check_inputs_outside(run, data_inputs(config.data))  # --overwrite never deletes the user's inputs
+        return _run(config, run, device, dataset)
+
+
+def _run(config: ExpertCQLConfig, run: RunDirectory, device, dataset: Optional[TrajectoryDataset]) -> dict:
     budgets = config.stage_budgets()
     experts, frame = None, None
     if config.data.format == "npz":
         if config.data.generate is not None:
             replaced = run.root if run.mode == "overwrite" and run.existing else None
             check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
-            run.begin()  # generated data live in RUN/curator/data unless the config says otherwise
+            run.prepare()  # generated data live in RUN/curator/data unless the config says otherwise
         # dp_sgd and non_private need neither the expert set nor a simulator: they never look for them.
         dataset, experts = load_data(config.data, run.curator / "data", need_experts=RELEASE_STAGE in budgets)
         if experts is not None and config.data.generate is None and config.data.expert_set is None:
@@ -543,6 +639,9 @@ def _preflight(
     parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     held_out = plan is not None and plan.train_cells is not None
     checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
+    if TRAIN_STAGE in budgets and config.trainer.max_steps == 0:
+        raise ValidationError("trainer.max_steps", "a private training stage needs at least one step (or null: as "
+                              "many as the budget allows)")
     if TRAIN_STAGE in budgets and config.delta * config.batch_size >= 1:  # B <= m is required: delta < 1/B is too
         raise ValidationError("delta", f"delta={config.delta:g} is not below 1/batch_size = 1/{config.batch_size}, "
                               "so not below 1/n for any number of units n DP-SGD can sample from; lower delta")
@@ -604,6 +703,8 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
     if partition is not None:
         ledger.partition(partition)  # the run's one split of the units (a keyed hash of their ids)
     units, sigma, released_count = checked.units, checked.sigma, None
+    if RELEASE_STAGE in budgets:
+        check_no_orphan_release(run, ledger)  # before the count: a refused resume spends nothing
     count = config.count_plan(plan)
     if count is not None:  # the first spend: everything count-dependent is derived from its released value
         released_count = count_once(run, ledger, root, count, dataset, partition)
@@ -611,8 +712,9 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
         units = released_count.units()
         sigma = _after_count(config, budgets, checked, units, plan)
     if RELEASE_STAGE in budgets:
-        stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run, root,
-                                             units)
+        with interrupt.deferred_interrupts():  # a signal stops the run after the paid release is whole
+            stable, release_public = run_release(dataset, experts, budgets[RELEASE_STAGE], config, ledger, run,
+                                                 root, units, checked.release)
         # Only functions of the release are printed: never a count of the private logged data.
         print(
             f"stable-prefix release ({release_public.get('source', config.release.source)} prefixes): "
@@ -630,6 +732,9 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
         config.method, train_data, stable, batch_size=config.batch_size, units=units, cell=checked.train_cell,
         rows_per_expert=config.dp.rows_per_expert, p_dp=config.dp.p_dp,
     )
+    if dp is not None:  # what an earlier attempt charged must be what this configuration calibrates
+        check_recorded(ledger, TRAIN_STAGE, [analysed_for(ledger.relation, source.step_event(dp.noise_multiplier))],
+                       run.journal_path)
 
     env_id = None if env is None else (config.eval.env_id or meta.env_id)
     pipeline_config = {**to_dict(config), "resolved": {"env_id": env_id}}
@@ -654,7 +759,8 @@ def _train(config, run, root, ledger, budgets, checked: Checked, dataset, expert
     if plan is not None and plan.estimator != "none":
         if config.method == "non_private" and ledger.void_reason is None:
             ledger.void("method non_private: the policy was trained without privacy")
-        offline = _evaluate_offline_once(config, run, root, ledger, plan, dataset, algorithm, units)
+        with interrupt.deferred_interrupts():  # a signal stops the run after the paid evaluation is whole
+            offline = _evaluate_offline_once(config, run, root, ledger, plan, dataset, algorithm, units)
     report = ledger.report()
     privacy = with_released_count(report.to_dict(), released_count)
     atomic_write_json(run.release / "privacy_report.json", privacy)  # every stage, the evaluation's included

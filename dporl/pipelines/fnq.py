@@ -594,11 +594,15 @@ def _plots(config: FNQPipelineConfig, rows: list[dict], out_dir: Path) -> list[s
 
 
 def run(config: FNQPipelineConfig, mode: RunMode = "new") -> dict:
+    with RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode) as directory:
+        check_inputs_outside(directory, {"dataset": config.dataset})  # --overwrite keeps the user's input
+        return _run(config, directory)
+
+
+def _run(config: FNQPipelineConfig, directory: RunDirectory) -> dict:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
-    directory = RunDirectory(config.run_dir, pipeline="fnq", config=to_dict(config), mode=mode)
-    check_inputs_outside(directory, {"dataset": config.dataset})  # --overwrite keeps the user's input
     specs = plan(config)
     ctx = context(config)
     if config.dataset is not None:  # declared sizes (public) must match the environment's before anything runs

@@ -587,6 +587,24 @@ class PrivacyLedger:
                 "add/remove only: record relations.analysed_for(ledger.relation, event)"
             )
 
+    def adopt_authorised(self, stage: str, event: PrivacyEvent, count: int) -> None:
+        """Declare that the last ``count`` recorded runs of ``event`` in ``stage`` (authorised by an earlier attempt,
+        recovered from its journal) have not produced anything this run keeps: the next ``count`` ``record`` calls
+        consume them without charging again. For a resumed loop that replays them from saved state with the same
+        secret randomness (the same mechanism run, not a new one). Only runs already charged can be adopted."""
+        s = self._get(stage)
+        count = check_count("count", count)
+        tail = s.accountant.history[-1] if s.accountant.history else None
+        available = tail[1] if tail is not None and tail[0] == event else 0
+        adopted = self._ahead.get((stage, event), 0) + count
+        if adopted > available:
+            raise ValidationError(
+                f"ledger.{stage}", f"cannot adopt {adopted} authorised runs of {event}: the journal's last entry for "
+                f"this stage charges {available} of them"
+            )
+        if count:
+            self._ahead[(stage, event)] = adopted
+
     def _charge(self, stage: str, event: PrivacyEvent, count: int) -> None:
         s = self._get(stage)
         if count == 0:
