@@ -78,6 +78,8 @@ _EXPORTS = {
     "GreedyQPolicy": "dporl.train.export",
     "save_policy": "dporl.train.export",
     "load_policy": "dporl.train.export",
+    # private hyperparameter selection
+    "tune": "dporl.tuning",
     # errors
     "ValidationError": "dporl.utils.validation",
     "PrivacyBudgetError": "dporl.utils.validation",
@@ -113,4 +115,5 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
     from dporl.train.export import GreedyQPolicy, load_policy, save_policy
     from dporl.train.trainer import Trainer
+    from dporl.tuning import tune
     from dporl.utils.validation import PrivacyBudgetError, ValidationError

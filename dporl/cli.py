@@ -1,6 +1,7 @@
 """The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
 
     dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl tune --config configs/X.yaml --space S.yaml [--resume | --overwrite] [--json] [key=value | tune.key=value ...]
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
@@ -84,6 +85,21 @@ def _standalone(add_arguments, command, argv: Optional[list[str]], prog: str) ->
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return command(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------------------------------------------- tune
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    add_train_arguments(parser)
+    parser.add_argument("--space", required=True, help="YAML search space and search settings (dporl.tuning.config)")
+
+
+def tune(args: argparse.Namespace) -> int:
+    """A private hyperparameter search (``dporl.tuning``): one guarantee over every trial and the selection."""
+    from dporl.pipelines import run_cli
+    from dporl.tuning import tune as run_tune
+
+    return run_cli(lambda: run_tune(args.config, args.space, mode=args.mode or "new", overrides=args.overrides),
+                   as_json=args.json)
 
 
 # ---------------------------------------------------------------------------------------------------- evaluate
@@ -322,12 +338,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(commands.add_parser("train", help="run a pipeline config (private training + evaluation)"))
+    add_tune_arguments(commands.add_parser("tune", help="private hyperparameter search: the best of a random "
+                                           "number of private runs, one guarantee"))
     add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
     commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
     add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
+    if args.command == "tune":
+        return tune(args)
     if args.command == "evaluate":
         return evaluate(args)
     return data(args)

@@ -97,7 +97,7 @@ from dporl.pipelines.unit_count import (
     with_released_count,
 )
 from dporl.privacy.accountants import check_delta, paper_mixture_epsilon
-from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, Units
+from dporl.privacy.count import COUNT_STAGE, LOWER_BOUND_FAILURE, CountPlan, ReleasedCount, Units
 from dporl.privacy.events import event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
@@ -178,6 +178,10 @@ class ExpertCQLConfig:
     # one unit's data replaced (the number of units is public), every mechanism analysed for replace-one.
     relation: Literal["add_remove", "replace_one"] = "add_remove"
     count_fraction: float = 0.01  # add_remove: the count's share of epsilon (its delta: 0, or its lower bound's)
+    # add_remove: a count released before this run by a search over many runs (dporl.tuning), as the count stage
+    # releases it ({count, cells, epsilon}). The run then releases none and derives everything count-dependent from
+    # it; the search's ledger accounts that count once for all its runs, this run's ledger does not.
+    released_count: Optional[dict[str, Any]] = None
     # Secret by default: a known noise seed lets anyone subtract the noise (see dporl.privacy.noise).
     noise_seed: Optional[int] = None
     data: DataConfig = field(default_factory=lambda: DataConfig(dataset="data/cartpole.npz"))
@@ -198,6 +202,9 @@ class ExpertCQLConfig:
             raise ValidationError("relation", f"expected 'add_remove' or 'replace_one', got {self.relation!r}")
         if self.batch_size < 1:
             raise ValidationError("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.released_count is not None and (self.relation != "add_remove" or self.method != "dp_sgd"):
+            raise ValidationError("released_count", "a count released before the run serves add/remove dp_sgd runs "
+                                  "only (the release methods check a lower bound of their own count)")
 
     @property
     def neighbours(self) -> Relation:
@@ -206,7 +213,7 @@ class ExpertCQLConfig:
     def count_budget(self) -> Optional[tuple[float, float]]:
         """(epsilon, delta) of the private count of the units: add/remove runs with a guarantee only. Its delta is
         the charged failure of the lower bound the stable-prefix precondition is checked on (0 without a release)."""
-        if self.method == "non_private" or self.relation != "add_remove":
+        if self.method == "non_private" or self.relation != "add_remove" or self.released_count is not None:
             return None
         failure = LOWER_BOUND_FAILURE * self.delta if self.method in ("stable_only", "mixed") else 0.0
         return self.count_fraction * self.epsilon, 2 * failure
@@ -647,6 +654,11 @@ def _preflight(
                               "so not below 1/n for any number of units n DP-SGD can sample from; lower delta")
     if budgets and config.relation == "replace_one":  # the counts are public: every check now
         units = public_units(dataset, None if plan is None else plan.partition)
+        return replace(checked, units=units, sigma=_after_count(config, budgets, checked, units, plan))
+    if budgets and config.released_count is not None:  # released (and accounted) before the run: every check now
+        cells = None if plan is None or plan.partition is None else plan.partition.names
+        units = ReleasedCount.from_dict(config.released_count,
+                                        CountPlan(config.released_count.get("epsilon"), cells)).units()
         return replace(checked, units=units, sigma=_after_count(config, budgets, checked, units, plan))
     return checked
 

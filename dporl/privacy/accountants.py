@@ -37,6 +37,7 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
+    SelectionEvent,
     event_from_dict,
     event_to_dict,
 )
@@ -214,6 +215,8 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
             event = doubled_sensitivity(event.event)
         if isinstance(event, MixtureEvent):
             event = event.event
+        if isinstance(event, SelectionEvent):  # no closed form: the Renyi analysis alone answers
+            return math.inf
         if isinstance(event, (PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent)):
             rho += count / (2 * event.noise_multiplier**2)
         elif isinstance(event, LaplaceEvent):

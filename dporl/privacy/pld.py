@@ -56,6 +56,7 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
+    SelectionEvent,
 )
 from dporl.privacy.pld_fft import epsilon_for_delta, plan_self_composition, self_compose_planned
 from dporl.utils.validation import ValidationError
@@ -324,6 +325,9 @@ def _unanalysable(event: PrivacyEvent) -> ValidationError:
             "accountant.mechanism",
             "the pld accountant has no construction for sampling without replacement; use mechanism='rdp'",
         )
+    if isinstance(event, SelectionEvent):
+        return ValidationError("accountant.mechanism", "a private selection's analysis is a Renyi curve (Papernot & "
+                               "Steinke 2022), not a privacy loss distribution; use mechanism='rdp'")
     return ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
 
 

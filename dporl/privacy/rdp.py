@@ -27,6 +27,7 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
+    SelectionEvent,
 )
 from dporl.utils.validation import ValidationError
 
@@ -79,6 +80,10 @@ def rdp_curve(event: PrivacyEvent) -> np.ndarray:
         )
         accountant.compose(dp_accounting.LaplaceDpEvent(event.noise_multiplier))
         return np.asarray(accountant.rdp, dtype=float)
+    if isinstance(event, SelectionEvent):  # Papernot & Steinke 2022 (dporl.privacy.selection)
+        from dporl.privacy.selection import selection_rdp
+
+        return selection_rdp(event)
     if isinstance(event, ReplaceOneEvent):
         raise ValidationError(
             "accountant.mechanism",
