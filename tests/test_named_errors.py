@@ -208,18 +208,25 @@ def test_accountant_calls_on_tiny_noise_answer_without_building_huge_grids():
 
 
 def test_grids_are_sized_from_the_event_before_they_are_built():
-    from dporl.privacy.accountants import PLD_DISCRETIZATION, event_pld, pld_grid_points, predicted_composed_points
-    from dporl.privacy.events import LaplaceEvent, MixtureEvent, PoissonGaussianEvent
+    from dporl.privacy.events import LaplaceEvent, MixtureEvent, PoissonGaussianEvent, ReplaceOneEvent
+    from dporl.privacy.pld import COARSEST, event_pld, event_points, history_interval
+    from dporl.privacy.pld_fft import plan_self_composition, self_compose_planned
 
     for event in (PoissonGaussianEvent(0.3, 0.25), PoissonGaussianEvent(2.0, 1.0), MixtureEvent(0.1, PoissonGaussianEvent(
-            0.5, 0.1)), LaplaceEvent(0.05)):
-        built = event_pld(event)
-        assert max(built._pmf_remove.size, built._pmf_add.size) <= pld_grid_points(event)  # an upper estimate
+            0.5, 0.1)), LaplaceEvent(0.05), ReplaceOneEvent(PoissonGaussianEvent(0.7, 0.05)),
+            ReplaceOneEvent(LaplaceEvent(0.5))):
+        interval = history_interval([event])  # the adaptive grid the event is analysed on
+        built = event_pld(event, interval)
+        assert max(built._pmf_remove.size, built._pmf_add.size) <= event_points(event, interval)  # an upper bound
     event = PoissonGaussianEvent(0.3, 0.25)
-    exact = event_pld(event).self_compose(200)
-    predicted = predicted_composed_points(event, 200)
-    assert predicted >= 0.9 * max(exact._pmf_remove.size, exact._pmf_add.size)
-    assert pld_grid_points(PoissonGaussianEvent(1e-3, 0.25)) > 0.5 / 1e-6 / PLD_DISCRETIZATION
+    single = event_pld(event, history_interval([event]))
+    for pmf in (single._pmf_remove, single._pmf_add):
+        sizes = [plan_self_composition(pmf, count)[2] for count in (1, 2, 10, 200, 201, 5000)]
+        assert sizes == sorted(sizes)  # never smaller at a larger count: refusals are monotone in counts
+        dense, window, predicted = plan_self_composition(pmf, 200)
+        exact = self_compose_planned(dense, 200, window)
+        assert exact.size <= predicted <= 1.01 * exact.size + 3
+    assert event_points(PoissonGaussianEvent(1e-3, 0.25), COARSEST) > 0.5 / 1e-6 / COARSEST
 
 
 # ------------------------------------------------------------------------------------------------ --overwrite

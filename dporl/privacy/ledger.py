@@ -67,9 +67,9 @@ from dporl.privacy.accountants import (
     analysis_name,
     check_count,
     check_delta,
+    check_analysable,
     check_mechanism,
     epsilon_for,
-    event_pld,
     spends_nothing,
     within_budget,
 )
@@ -547,7 +547,7 @@ class PrivacyLedger:
         prior = tuple((e, c) for s in others for e, c in s.accountant.history if c)
         for event, _ in prior:
             if not spends_nothing(event):
-                event_pld(event)  # a named refusal when the joint analysis cannot cover an earlier stage
+                check_analysable(event, "pld")  # a named refusal when the joint analysis cannot cover an earlier stage
         return SharedBudget(self.budget[0], total, prior)
 
     def _get(self, name: str) -> Stage:
@@ -788,7 +788,7 @@ class PrivacyLedger:
         try:
             for event, _ in events:
                 if not spends_nothing(event):
-                    event_pld(event)
+                    check_analysable(event, "pld")
         except ValidationError as exc:
             return None, str(exc)
         if total_delta >= 1:
