@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dporl.privacy.randomness import DEVICE_KEY_BYTES, SecretRoot
+from dporl.privacy.streams import DEVICE_KEY_BYTES, noise_stream, root_entropy, stream_sequence, torch_stream
 from dporl.utils.validation import ValidationError, check_positive
 
 _OFFSET_BITS = 61  # secret bits of the Philox offset: multiples of 4 below 2**63 (never near unsigned wrap-around)
@@ -68,9 +68,11 @@ def secret_generator(seed: int | None = None) -> torch.Generator:
     """A generator for private sampling decisions (which units a Poisson step includes, which branch a mixture step
     takes). Amplification by subsampling assumes nobody knows these draws, so the seed comes from the OS CSPRNG
     unless one is given for an exact reproduction; a given seed must then be kept secret like a noise seed.
-    The whole generator state is derived from the seed (``dporl.privacy.randomness``), never its low 32 bits.
+    The whole generator state is derived from the seed (stream "sampler" of the root ``SecretRoot(seed)``), never
+    its low 32 bits.
     """
-    return SecretRoot(seed).torch_generator("sampler")
+    entropy, _ = root_entropy(seed)
+    return torch_stream(stream_sequence(entropy, "sampler"))
 
 
 def device_draw_key(key: bytes, counter: int) -> tuple[int, int]:
@@ -171,8 +173,8 @@ class NoiseSource:
             self._generator = generator
             self.reproducible = bool(reproducible)
         else:
-            material = SecretRoot(seed).noise("noise")
-            self._generator, device_key = material._generator, material._device_key
+            entropy, _ = root_entropy(seed)  # stream "noise" of the root ``SecretRoot(seed)``
+            self._generator, device_key = noise_stream(stream_sequence(entropy, "noise"))
             self.reproducible = seed is not None
         if device_key is not None and len(device_key) != DEVICE_KEY_BYTES:
             raise ValidationError("noise.device_key", f"expected {DEVICE_KEY_BYTES} bytes, got {len(device_key)}")
