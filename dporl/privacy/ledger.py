@@ -53,11 +53,15 @@ runs only after its cost is durable. ``authorise(stage, event, k)`` charges ``k`
 a block of training steps); the next ``k`` ``record`` calls of that event consume the authorisation without
 writing. Recovery loads the journal: every authorised event is charged as recorded, run or not (a crash can never
 under-count, and a re-run can never re-price what an earlier attempt authorised).
+
+This module holds the ledger's run policy (opening stages, budget checks, charging); the stage record is in
+``dporl.privacy.ledger_stages``, the composition of the stages into a report (a pure function of the recorded
+stages) in ``dporl.privacy.ledger_composition``, the report and its presentation in ``dporl.privacy.ledger_report``,
+and the journal and saved state in ``dporl.privacy.ledger_journal``. Their public names are re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from dporl.privacy.accountants import (
@@ -65,252 +69,38 @@ from dporl.privacy.accountants import (
     Mechanism,
     adjacency,
     analysis_name,
+    check_analysable,
     check_count,
     check_delta,
-    check_analysable,
     check_mechanism,
-    epsilon_for,
     spends_nothing,
     within_budget,
 )
-from dporl.privacy.events import PrivacyEvent, event_to_dict
+from dporl.privacy.events import PrivacyEvent
+from dporl.privacy.ledger_composition import compose
+from dporl.privacy.ledger_journal import LedgerJournal
+from dporl.privacy.ledger_report import CellReport, PaperClaim, PrivacyReport, StageReport
+from dporl.privacy.ledger_stages import SharedBudget, Stage, check_budget, check_relation
 from dporl.privacy.partition import UnitPartition
 from dporl.privacy.units import PrivacyUnit, Relation, as_unit
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
-
-@dataclass(frozen=True)
-class PaperClaim:
-    """A published analysis's figure for something this run did, where that analysis does not cover what the run
-    releases (e.g. Algorithm 3's rate-p*q accounting, the logged-prefix release, Theorem 5 of the functional-noise
-    paper). Printed beside the report as "the paper's figure, NOT a guarantee"; never part of a guarantee."""
-
-    name: str
-    epsilon: float
-    delta: float
-    source: str  # which paper / theorem, and why it is not a guarantee here
-
-    def describe(self) -> str:
-        return (
-            f"the paper's figure, NOT a guarantee: {self.name}: eps={self.epsilon:.4g}, delta={self.delta:g} "
-            f"({self.source})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "epsilon": self.epsilon, "delta": self.delta, "source": self.source}
+__all__ = [
+    "CellReport", "LedgerJournal", "PaperClaim", "PrivacyLedger", "PrivacyReport", "SharedBudget", "Stage",
+    "StageReport",
+]
 
 
-@dataclass
-class Stage:
-    name: str
-    budget: Optional[tuple[float, float]]  # (epsilon, delta) or None (no cap; report at `delta`)
-    mechanism: str
-    unit: PrivacyUnit
-    accountant: Accountant
-    delta: float  # the delta epsilon is reported at (the budget's delta when there is one)
-    analysis: str  # what proved the events' guarantees, composed by the accountant
-    # (event, how many more of it are already verified to fit); not saved: recomputed after a restore.
-    headroom: tuple[Optional[PrivacyEvent], int] = (None, 0)
-    grant: int = 1  # next headroom request size (doubles while requests succeed)
-    cells: Optional[tuple[str, ...]] = None  # cells of the ledger's partition this stage touches (None: all units)
-    # True: may spend past `budget` (its nominal share) while the run's guarantee stays within the run budget
-    shares_run_budget: bool = False
-
-
-@dataclass(frozen=True)
-class SharedBudget:
-    """What a stage sharing the run budget may spend: its events composed with ``prior`` (every other stage's
-    events) by one PLD must fit (``epsilon``, ``delta``) = (the run's epsilon, the total delta of all stages)."""
-
-    epsilon: float
-    delta: float
-    prior: tuple[tuple[PrivacyEvent, int], ...]
-    mechanism: Mechanism = "pld"
-
-
-@dataclass
-class StageReport:
-    name: str
-    unit: PrivacyUnit
-    analysis: str
-    epsilon: float
-    delta: float
-    budget: Optional[tuple[float, float]]
-    events: list[tuple[dict[str, Any], int]]
-    cells: Optional[tuple[str, ...]] = None
-    shares_run_budget: bool = False
-
-
-@dataclass
-class CellReport:
-    """One cell of a partition: the stages that touch its units, composed sequentially."""
-
-    name: str
-    stages: list[str]
-    epsilon: float
-    delta: float
-    analysis: str
-
-
-@dataclass
-class PrivacyReport:
-    stages: list[StageReport]
-    basic: Optional[tuple[float, float]]  # (sum eps, sum delta) over stages; None if units differ or no stage
-    joint: Optional[tuple[float, float]]  # joint PLD (eps, total delta); None if not analysable
-    joint_note: str
-    unit: Optional[PrivacyUnit]
-    relation: Optional[Relation]  # neighbouring relation every recorded event was analysed under
-    notes: list[str] = field(default_factory=list)
-    paper_claims: list[PaperClaim] = field(default_factory=list)
-    void: Optional[str] = None  # why this run has no guarantee at all (e.g. a release no analysis covers)
-    partition: Optional[UnitPartition] = None
-    cells: Optional[list[CellReport]] = None  # per-cell composition, when stages touch different cells
-
-    @property
-    def composition(self) -> str:
-        if self.cells is None:
-            return "sequential: every stage touches every unit"
-        return (
-            "parallel over the cells of a partition of the units (" + self.partition.describe() + "): each unit "
-            "lives in one cell; stages touching a cell compose sequentially; the guarantee is the largest cell's"
-        )
-
-    @property
-    def guarantee(self) -> Optional[tuple[float, float, str]]:
-        """(epsilon, delta, analysis) of the run: the smaller sound epsilon at the total delta (None when void);
-        with cells, the largest cell's (max epsilon, max delta)."""
-        return None if self.void is not None else self.bound
-
-    @property
-    def bound(self) -> Optional[tuple[float, float, str]]:
-        """The guarantee's numbers whether or not the run is void (what the run budget is checked against)."""
-        if self.cells is not None:
-            if self.basic is None:  # units or relations differ: nothing combines
-                return None
-            worst = max(self.cells, key=lambda c: c.epsilon)
-            return (
-                worst.epsilon, max(c.delta for c in self.cells),
-                f"parallel composition over cells (largest: {worst.name!r}, {worst.analysis})",
-            )
-        options = []
-        if self.basic is not None:
-            single = len(self.stages) == 1
-            options.append((*self.basic, self.stages[0].analysis if single else "basic composition of the stages"))
-        if self.joint is not None:
-            options.append((*self.joint, "joint PLD over all stages' events"))
-        return min(options, key=lambda option: option[0]) if options else None
-
-    @property
-    def neighbours(self) -> str:
-        """The neighbouring relation in words."""
-        if self.unit is None:
-            return "neighbouring datasets: undefined (stages protect different units)"
-        if self.unit.bounded_change:  # every record may move: no unit is added, removed or replaced
-            return f"neighbouring datasets: {self.unit.meaning}"
-        if self.relation == Relation.REPLACE_ONE:
-            return (f"neighbouring datasets: replace one unit's data; the number of units is public, one unit = "
-                    f"{self.unit.meaning}")
-        return f"neighbouring datasets: {self.relation or Relation.ADD_REMOVE}, one unit = {self.unit.meaning}"
-
-    def describe(self) -> str:
-        lines = []
-        for s in self.stages:
-            budget = f" (budget eps={s.budget[0]:g}, delta={s.budget[1]:g})" if s.budget else ""
-            if s.shares_run_budget:
-                budget = (f" (budget: what the run's budget leaves after the other stages, by the run's guarantee; "
-                          f"nominal share eps={s.budget[0]:g}, delta={s.budget[1]:g})")
-            lines.append(
-                f"stage {s.name!r}: eps={s.epsilon:.4g} at delta={s.delta:g}{budget}; unit: {s.unit}; "
-                f"analysis: {s.analysis}"
-            )
-        if self.cells is not None:
-            lines.append(f"composition: {self.composition}")
-            for c in self.cells:
-                lines.append(
-                    f"cell {c.name!r} (stages {', '.join(c.stages) or 'none'}): eps={c.epsilon:.4g}, "
-                    f"delta={c.delta:g}; {c.analysis}"
-                )
-        elif len(self.stages) > 1:
-            if self.basic is not None:
-                lines.append(f"basic composition: eps={self.basic[0]:.4g}, delta={self.basic[1]:g}")
-            lines.append(
-                f"joint PLD: eps={self.joint[0]:.4g}, delta={self.joint[1]:g}" if self.joint else
-                f"joint PLD: not computed ({self.joint_note})"
-            )
-        guarantee = self.guarantee
-        if self.void is not None:
-            lines.append(f"NO GUARANTEE: {self.void}")
-        elif guarantee is None:
-            lines.append("no combined guarantee: " + "; ".join(self.notes or ["no stage recorded"]))
-        else:
-            lines.append(
-                f"GUARANTEE: ({guarantee[0]:.4g}, {guarantee[1]:g})-DP, privacy unit: {self.unit} "
-                f"({self.neighbours}); analysis: {guarantee[2]}"
-            )
-        lines.extend(f"note: {note}" for note in self.notes if guarantee is not None)
-        lines.extend(claim.describe() for claim in self.paper_claims)
-        return "\n".join(lines)
-
-    def scalars(self) -> dict[str, float]:
-        """What a run logs as its privacy scalars: ``privacy/epsilon`` is the run's guarantee over ALL stages (the
-        largest cell's under parallel composition; absent when there is none), ``privacy/stage/<name>`` each
-        stage's own epsilon beside it."""
-        values = {f"privacy/stage/{s.name}": float(s.epsilon) for s in self.stages}
-        guarantee = self.guarantee
-        if guarantee is not None:
-            values["privacy/epsilon"] = float(guarantee[0])
-        return values
-
-    def to_dict(self) -> dict[str, Any]:
-        guarantee = self.guarantee
-        return {
-            "stages": [
-                {
-                    "name": s.name,
-                    "unit": s.unit.name,
-                    "unit_meaning": s.unit.meaning,
-                    "analysis": s.analysis,
-                    "epsilon": s.epsilon,
-                    "delta": s.delta,
-                    "budget": list(s.budget) if s.budget else None,
-                    "events": [[event, count] for event, count in s.events],
-                    "cells": None if s.cells is None else list(s.cells),
-                    "shares_run_budget": s.shares_run_budget,
-                }
-                for s in self.stages
-            ],
-            "composition": self.composition,
-            "partition": None if self.partition is None else self.partition.to_dict(),
-            "cells": None if self.cells is None else [
-                {"name": c.name, "stages": c.stages, "epsilon": c.epsilon, "delta": c.delta, "analysis": c.analysis}
-                for c in self.cells
-            ],
-            "basic_composition": list(self.basic) if self.basic else None,
-            "joint_pld": list(self.joint) if self.joint else None,
-            "joint_note": self.joint_note,
-            "guarantee": (
-                None if guarantee is None else
-                {"epsilon": guarantee[0], "delta": guarantee[1], "analysis": guarantee[2], "unit": self.unit.name,
-                 "unit_column": self.unit.column, "relation": str(self.relation or Relation.ADD_REMOVE),
-                 "neighbouring": self.neighbours}
-            ),
-            "void": self.void,
-            "paper_figures_NOT_guarantees": [claim.to_dict() for claim in self.paper_claims],
-            "notes": list(self.notes),
-            "text": self.describe(),
-        }
-
-
-class PrivacyLedger:
+class PrivacyLedger(LedgerJournal):
     """Named stages composed into one run's guarantee: sequentially, or in parallel over the cells of a partition."""
 
     def __init__(self, budget: Optional[tuple[float, float]] = None, relation: Relation | str = Relation.ADD_REMOVE
                  ) -> None:
-        self.relation = _check_relation(relation)
+        self.relation = check_relation(relation)
         self.stages: dict[str, Stage] = {}
         self.paper_claims: list[PaperClaim] = []
         self.void_reason: Optional[str] = None
-        self.budget = None if budget is None else _check_budget("ledger.budget", budget)
+        self.budget = None if budget is None else check_budget("ledger.budget", budget)
         self._journal: Optional[Callable[[dict[str, Any]], None]] = None
         self._ahead: dict[tuple[str, PrivacyEvent], int] = {}  # authorised runs not yet recorded
         self.unit_partition: Optional[UnitPartition] = None
@@ -342,67 +132,6 @@ class PrivacyLedger:
         if assumption not in self.assumptions:
             self.assumptions.append(assumption)
             self._write()
-
-    # ------------------------------------------------------------------ write-ahead journal
-    @property
-    def journaled(self) -> bool:
-        return self._journal is not None
-
-    def attach_journal(self, write: Callable[[dict[str, Any]], None], recovered: Optional[dict[str, Any]] = None) -> None:
-        """Hand every later change of the state to ``write`` (with the whole ``state_dict()``) before it takes effect.
-
-        ``recovered`` is the state a journal held from an earlier attempt: all its events are charged as recorded,
-        and whatever this ledger holds already (recorded before the journal was attached) is charged on top (a
-        pipeline that repeats a mechanism on resume pays for it twice, never zero times).
-        """
-        if self._journal is not None:
-            raise ValidationError("ledger.journal", "a journal is already attached")
-        if recovered is not None:
-            self._merge(recovered)
-        self._journal = write
-        self._write()
-
-    def _write(self) -> None:
-        if self._journal is not None:
-            self._journal(self.state_dict())
-
-    def _merge(self, recovered: dict[str, Any]) -> None:
-        """This ledger := ``recovered`` plus every stage, event and claim this ledger holds (budgets checked)."""
-        merged = PrivacyLedger(self.budget, self.relation)
-        merged.load_state_dict(recovered)
-        if merged.relation != self.relation:
-            raise ValidationError("journal", f"the journal on disk is for {merged.relation} neighbours, this run's "
-                                  f"guarantee is for {self.relation}")
-        if self.unit_partition is not None:
-            merged.partition(self.unit_partition)  # a different partition on disk is refused
-        for assumption in self.assumptions:
-            merged.assume(assumption)
-        for name, s in self.stages.items():
-            if name in merged.stages:
-                other = merged.stages[name]
-                if (other.budget, other.mechanism, other.unit, other.delta, other.shares_run_budget) != (
-                    s.budget, s.mechanism, s.unit, s.delta, s.shares_run_budget
-                ):
-                    raise ValidationError(
-                        "journal", f"stage {name!r} on disk ({other.budget}, {other.mechanism}, {other.unit}, shares "
-                        f"the run budget: {other.shares_run_budget}) differs from this run's ({s.budget}, "
-                        f"{s.mechanism}, {s.unit}, {s.shares_run_budget})"
-                    )
-            else:
-                merged.stage(name, budget=s.budget, mechanism=s.mechanism, unit=s.unit,
-                             delta=None if s.budget else s.delta, cells=s.cells,
-                             shares_run_budget=s.shares_run_budget)
-                merged.stages[name].analysis = s.analysis
-            for event, count in s.accountant.history:
-                merged._charge(name, event, count)
-        for claim in self.paper_claims:
-            if claim not in merged.paper_claims:
-                merged.paper_claims.append(claim)
-        if self.void_reason is not None:
-            merged.void(self.void_reason)
-        self.stages, self.paper_claims, self.void_reason = merged.stages, merged.paper_claims, merged.void_reason
-        self.unit_partition, self.assumptions = merged.unit_partition, merged.assumptions
-        self.budget = merged.budget
 
     def paper_claim(self, name: str, epsilon: float, delta: float, source: str) -> PaperClaim:
         """Record a published analysis's figure that is NOT a guarantee for this run (see ``PaperClaim``)."""
@@ -708,203 +437,7 @@ class PrivacyLedger:
     def _report(self, extra: Optional[tuple[str, PrivacyEvent, int]] = None) -> PrivacyReport:
         """The report, as if ``extra`` = (stage, event, count) were recorded too: the one traversal that both prints
         the run's guarantee and decides whether a charge keeps it within the run budget."""
-        histories = {name: list(s.accountant.history) for name, s in self.stages.items()}
-        if extra is not None:
-            histories[extra[0]].append((extra[1], extra[2]))
-
-        def spent(s: Stage) -> float:
-            if extra is None or extra[0] != s.name:
-                return s.accountant.get_epsilon(s.delta)
-            return s.accountant.epsilon_with([(extra[1], extra[2])], s.delta)
-
-        stages = [
-            StageReport(
-                s.name,
-                s.unit,
-                s.analysis,
-                spent(s),
-                s.delta,
-                s.budget,
-                [(event_to_dict(e), c) for e, c in histories[s.name]],
-                s.cells,
-                s.shares_run_budget,
-            )
-            for s in self.stages.values()
-        ]
-        notes: list[str] = [f"assumes: {a}" for a in self.assumptions]
-        units = list(dict.fromkeys(s.unit for s in self.stages.values()))
-        unit = units[0] if len(units) == 1 else None
-        relations = sorted(self._relations(histories))
-        basic = None
-        if not stages:
-            notes.append("no stage recorded")
-        elif unit is None:
-            notes.append(
-                f"stages protect different privacy units {[u.name for u in units]}: no single guarantee combines them"
-            )
-        elif len(relations) > 1:
-            notes.append(f"stages use different neighbouring relations {relations}: no single guarantee combines them")
-        else:
-            basic = (sum(s.epsilon for s in stages), sum(s.delta for s in stages))
-        joint, joint_note = None, ""
-        if basic is not None and len(stages) > 1:
-            joint, joint_note = self._joint(list(self.stages.values()), histories, basic[1])
-        cells = None
-        if self.unit_partition is not None and any(s.cells is not None for s in self.stages.values()):
-            cells = [self._cell(name, stages, histories) for name in self.unit_partition.names]
-        relation = relations[0] if len(relations) == 1 else (self.relation if not relations else None)
-        return PrivacyReport(
-            stages, basic, joint, joint_note, unit, relation, notes,
-            list(self.paper_claims), self.void_reason, self.unit_partition, cells,
+        return compose(
+            self.stages.values(), relation=self.relation, assumptions=self.assumptions, paper_claims=self.paper_claims,
+            void=self.void_reason, partition=self.unit_partition, extra=extra,
         )
-
-    def _cell(self, name: str, reports: list[StageReport], histories: dict[str, list]) -> CellReport:
-        """Sequential composition of the stages touching cell ``name``: the smaller of basic and joint PLD."""
-        touching = [s for s in self.stages.values() if s.cells is None or name in s.cells]
-        by_name = {r.name: r for r in reports}
-        if not touching:
-            return CellReport(name, [], 0.0, 0.0, "no stage touches this cell")
-        basic = (sum(by_name[s.name].epsilon for s in touching), sum(s.delta for s in touching))
-        if len(touching) == 1:
-            return CellReport(name, [touching[0].name], *basic, touching[0].analysis)
-        joint, _ = self._joint(touching, histories, basic[1])
-        if joint is not None and joint[0] < basic[0]:
-            return CellReport(name, [s.name for s in touching], *joint, "joint PLD over the cell's stages")
-        return CellReport(name, [s.name for s in touching], *basic, "basic composition of the cell's stages")
-
-    def _relations(self, histories: dict[str, list]) -> set[Relation]:
-        """The neighbouring relations the events were analysed under (bounded change for reward units)."""
-        return {
-            Relation.BOUNDED_CHANGE if s.unit.bounded_change else adjacency(e)
-            for s in self.stages.values()
-            for e, c in histories[s.name]
-            if c and not spends_nothing(e)
-        }
-
-    def _joint(
-        self, stages: list[Stage], histories: dict[str, list], total_delta: float
-    ) -> tuple[Optional[tuple[float, float]], str]:
-        events = [(e, c) for s in stages for e, c in histories[s.name]]
-        try:
-            for event, _ in events:
-                if not spends_nothing(event):
-                    check_analysable(event, "pld")
-        except ValidationError as exc:
-            return None, str(exc)
-        if total_delta >= 1:
-            return None, "total delta >= 1"
-        return (epsilon_for(events, total_delta, "pld"), total_delta), "PLD over all events"
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "stages": [
-                {
-                    "name": s.name,
-                    "budget": list(s.budget) if s.budget else None,
-                    "mechanism": s.mechanism,
-                    "unit": s.unit.to_dict(),
-                    "delta": s.delta,
-                    "analysis": s.analysis,
-                    "accountant": s.accountant.state_dict(),
-                    "cells": None if s.cells is None else list(s.cells),
-                    "shares_run_budget": s.shares_run_budget,
-                }
-                for s in self.stages.values()
-            ],
-            "paper_claims": [claim.to_dict() for claim in self.paper_claims],
-            "void": self.void_reason,
-            "budget": list(self.budget) if self.budget else None,
-            "partition": None if self.unit_partition is None else self.unit_partition.to_dict(),
-            "assumptions": list(self.assumptions),
-            "relation": self.relation.value,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved state (a JSON-safe dict). Every restored stage and event is checked against this ledger's
-        run budget (the saved one when this ledger has none) and each stage's own, so no state on disk can produce a
-        guarantee above the budget; a malformed state is a ValidationError naming "ledger", never a KeyError."""
-        try:
-            restored = self._restore(state)
-        except ValidationError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise ValidationError("ledger", f"saved ledger state is malformed ({type(exc).__name__}: {exc})") from None
-        self.stages, self.paper_claims, self.void_reason = restored.stages, restored.paper_claims, restored.void_reason
-        self.unit_partition, self.assumptions = restored.unit_partition, restored.assumptions
-        self.budget, self.relation = restored.budget, restored.relation
-        self._ahead = {}
-        self._write()
-
-    def _restore(self, state: dict[str, Any]) -> "PrivacyLedger":
-        if not isinstance(state, dict) or not isinstance(state["stages"], list):
-            raise ValidationError("ledger", f"expected a saved ledger state, got {type(state).__name__}")
-        saved_budget = state.get("budget")
-        if self.budget is not None and saved_budget is not None and tuple(saved_budget) != self.budget:
-            raise PrivacyBudgetError(
-                "ledger.budget", f"the saved ledger was made for a run budget {tuple(saved_budget)}, this run's is "
-                f"{self.budget}"
-            )
-        # A ledger without a run budget of its own (e.g. one reading a journal) takes the saved one.
-        budget = self.budget if self.budget is not None or saved_budget is None else saved_budget
-        restored = PrivacyLedger(budget, state.get("relation", Relation.ADD_REMOVE.value))
-        if state.get("partition") is not None:
-            restored.partition(UnitPartition.from_dict(state["partition"]))
-        assumptions = state.get("assumptions", [])
-        if not isinstance(assumptions, list) or not all(isinstance(a, str) and a for a in assumptions):
-            raise ValidationError("ledger.assumptions", f"must be a list of non-empty strings, got {assumptions!r}")
-        restored.assumptions = list(assumptions)
-        for entry in state["stages"]:
-            budget = tuple(entry["budget"]) if entry["budget"] is not None else None
-            s = restored.stage(
-                entry["name"], budget=budget, mechanism=entry["mechanism"], unit=PrivacyUnit.from_dict(entry["unit"]),
-                delta=None if budget else entry["delta"], cells=entry.get("cells"),
-                shares_run_budget=_flag(entry.get("shares_run_budget", False)),
-            )
-            if not isinstance(entry["analysis"], str):
-                raise ValidationError("ledger", f"stage {s.name!r}: analysis must be a string")
-            s.analysis = entry["analysis"]
-            s.accountant.load_state_dict(entry["accountant"])
-            own = s.budget is not None and not s.shares_run_budget  # a sharing stage: the run's check below
-            if own and not within_budget(restored.spent(s.name), s.budget[0]):
-                raise PrivacyBudgetError(
-                    f"ledger.{s.name}", f"the saved state spends eps={restored.spent(s.name):.4g}, over the stage "
-                    f"budget eps={s.budget[0]:g}: refusing to load it"
-                )
-        if restored._sharing() and not restored._run_fits(restored._report()):
-            raise PrivacyBudgetError(
-                "ledger.budget", f"the saved state puts the run past its budget {restored.budget}: refusing to load it"
-            )
-        restored.paper_claims = [
-            PaperClaim(str(c["name"]), float(c["epsilon"]), float(c["delta"]), str(c["source"]))
-            for c in state.get("paper_claims", [])
-        ]
-        void = state.get("void")
-        if void is not None and not isinstance(void, str):
-            raise ValidationError("ledger.void", f"must be a string or null, got {void!r}")
-        restored.void_reason = void
-        return restored
-
-
-def _check_relation(relation: Any) -> Relation:
-    try:
-        relation = Relation(relation)
-    except ValueError:
-        relation = None
-    if relation not in (Relation.ADD_REMOVE, Relation.REPLACE_ONE):
-        raise ValidationError("ledger.relation", f"expected {Relation.ADD_REMOVE.value!r} or "
-                              f"{Relation.REPLACE_ONE.value!r}")
-    return relation
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValidationError("ledger.shares_run_budget", f"must be true or false, got {value!r}")
-    return value
-
-
-def _check_budget(field: str, budget: Any) -> tuple[float, float]:
-    if not isinstance(budget, (tuple, list)) or len(budget) != 2:
-        raise ValidationError(field, f"expected (epsilon, delta), got {budget!r}")
-    eps = check_positive(f"{field}.epsilon", budget[0])
-    delta = check_delta(budget[1], f"{field}.delta")
-    return eps, delta
