@@ -26,6 +26,9 @@ the model was trained for equal the steps charged, whatever interrupted the run;
 one of the replayed ones. Only when a resumed run's per-step event differs from the one that was charged (a library
 user changing the source) are such steps counted as charged and lost, and the run says so.
 
+The optimizer and the privacy plan are built by ``dporl.train.plan``; checking and restoring a checkpoint, and
+deciding which charged steps a resumed loop replays, by ``dporl.train.resume``.
+
 Interrupts (``dporl.train.interrupt``): SIGINT / SIGTERM finish the step in flight, checkpoint, and raise
 ``Interrupted`` (the command line prints where it stopped and the command that continues it).
 
@@ -43,20 +46,18 @@ in a ledger for replace-one neighbours, that event analysed for replace-one (``r
 
 from __future__ import annotations
 
-import inspect
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from dporl.algos.base import LossForm, PrivateAlgorithm, declaration_of
 from dporl.logging import CURATOR_PREFIX, RunLogger
-from dporl.privacy.calibration import STEP_SEARCH_LIMIT, calibrate_noise_multiplier, max_steps
 from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
 from dporl.privacy.events import PrivacyEvent, event_to_dict
 from dporl.privacy.ledger import PrivacyLedger
@@ -65,13 +66,18 @@ from dporl.privacy.relations import analysed_for
 from dporl.privacy.units import as_unit
 from dporl.train import interrupt
 from dporl.train.checkpoint import load_checkpoint, save_checkpoint
-from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
+from dporl.train.config import DPConfig, TrainerConfig
+from dporl.train.plan import build_optimizer, lr_factor, plan_privacy
+from dporl.train.resume import announce_resume, check_same_run, restore_states, resume_plan
 from dporl.train.run_dir import RunDirectory, config_sha256
 from dporl.utils.config import to_dict
 from dporl.utils.device import resolve_device
 from dporl.utils.io import atomic_write_json
 from dporl.utils.seeding import public_generator
-from dporl.utils.validation import PrivacyBudgetError, ValidationError
+from dporl.utils.validation import ValidationError
+
+# build_optimizer and plan_privacy (dporl.train.plan) are re-exported for the callers of this module.
+__all__ = ["Evaluator", "TrainResult", "Trainer", "build_optimizer", "plan_privacy"]
 
 Evaluator = Callable[[nn.Module], Mapping[str, float]]
 
@@ -86,80 +92,6 @@ class TrainResult:
     run_dir: Path
     eval_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     public_metrics: dict[str, float] = field(default_factory=dict)  # the public part of ``metrics``
-
-
-_OPTIMIZERS = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop, "sgd": torch.optim.SGD}
-
-
-def build_optimizer(params: Sequence[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """The configured optimizer with torch's fused kernel where it has one (Adam, SGD), else its foreach kernels.
-
-    One kernel over all parameters instead of a Python loop per parameter: a 2 x 256 CQL step takes 0.88x the time
-    with fused Adam. Private and non-private runs use the same construction, so their costs compare honestly.
-    """
-    params = list(params)
-    kind = _OPTIMIZERS[config.name]
-    kwargs: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if config.name != "adam":
-        kwargs["momentum"] = config.momentum
-    if "fused" in inspect.signature(kind).parameters:
-        try:
-            return kind(params, fused=True, **kwargs)
-        except RuntimeError:  # no fused kernel for these parameters' device or dtype
-            pass
-    return kind(params, foreach=True, **kwargs)
-
-
-def _lr_factor(config: OptimizerConfig) -> Callable[[int], float]:
-    if config.schedule == "constant":
-        return lambda step: 1.0
-    # LambdaLR passes the number of completed steps; step i (1-based) uses lr / (i + offset).
-    return lambda step: 1.0 / (step + 1 + config.time_offset)
-
-
-def plan_privacy(
-    dp: Optional[DPConfig],
-    cap: Optional[int],
-    step_event: Callable[[float], Optional[PrivacyEvent]],
-    *,
-    ledger: Optional[PrivacyLedger] = None,
-    stage: str = "train",
-) -> tuple[Optional[float], Optional[PrivacyEvent], int]:
-    """(noise multiplier, per-step event, steps allowed) of a training stage whose source states ``step_event``.
-
-    With ``dp.share_run_budget`` the stage ``stage`` of ``ledger`` (the run's, or a scratch ledger holding the
-    earlier stages' events as they will be recorded) is planned against the run budget: its steps composed with
-    every other stage's events by one PLD fit the run's epsilon at the total delta (``PrivacyLedger.shared_budget``).
-    Pure: pipelines call it before their first write, so an impossible budget is refused with nothing written.
-    """
-    if dp is None or not dp.enabled:
-        if cap is None:
-            raise ValidationError("trainer.max_steps", "a non-private run needs a step cap")
-        return None, None, cap
-    epsilon, delta, mechanism, prior = dp.epsilon, dp.delta, dp.accountant, ()
-    if dp.share_run_budget:
-        if ledger is None:
-            raise ValidationError("dp.share_run_budget",
-                                  "a stage sharing the run budget is planned in the run's ledger")
-        target = ledger.shared_budget(stage, dp.delta)
-        epsilon, delta, prior, mechanism = target.epsilon, target.delta, target.prior, target.mechanism
-    sigma = dp.noise_multiplier
-    if sigma is None:
-        if cap is None:
-            raise ValidationError(
-                "dp.noise_multiplier", "give a noise multiplier, or trainer.max_steps to calibrate one for"
-            )
-        sigma = calibrate_noise_multiplier(epsilon, delta, cap, make_event=step_event, mechanism=mechanism, prior=prior)
-    event = step_event(sigma)
-    if event is None:
-        raise ValidationError("dp.enabled", "the batch source has no private branch; disable dp for it")
-    allowed = max_steps(event, epsilon, delta, mechanism=mechanism, limit=cap, prior=prior)
-    if allowed == 0:
-        raise PrivacyBudgetError(
-            "dp.epsilon", f"not even one step fits epsilon={epsilon} at delta={delta} with sigma={sigma:g}"
-            + (" beside the run's other stages" if prior else "")
-        )
-    return sigma, event, allowed
 
 
 class Trainer:
@@ -299,7 +231,7 @@ class Trainer:
             self.source.to(self.device)
         params = self._trainable()
         optimizer = build_optimizer(params, config.optimizer)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config.optimizer))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.optimizer))
         sigma, event, planned = self._plan_privacy()
         generator, noise = self._streams()
 
@@ -309,10 +241,11 @@ class Trainer:
             if not config.resume:
                 raise ValidationError("trainer.resume", f"{run.checkpoint_path} exists; resume or use a new run_dir")
             state = load_checkpoint(run.checkpoint_path)
-            self._check_same_run(state, trainer_sha256, run.inputs)
+            check_same_run(state, pipeline=self.pipeline, trainer_sha256=trainer_sha256, inputs=run.inputs,
+                           checkpoint_path=self.checkpoint_path)
             # The journal must charge at least what the checkpoint saw charged, with the same events.
             run.check_witness(state["journal"], f"the checkpoint {run.checkpoint_path} (step {state['step']})")
-            self._restore(state, optimizer, scheduler, generator, noise)
+            restore_states(state, self.algorithm, optimizer, scheduler, generator, noise)
             step, checkpointed, eval_history = state["step"], state["budget_steps"], state["eval_history"]
             saved_at = step
 
@@ -332,7 +265,8 @@ class Trainer:
             )
             self._engine = engine
             self._open_stage()
-            charged, ahead, total_budget_steps = self._resume_plan(event, planned, checkpointed)
+            charged, ahead, total_budget_steps = resume_plan(self.ledger, self.stage, event, planned, checkpointed,
+                                                             config.max_steps)
             if ahead:
                 self.ledger.adopt_authorised(self.stage, event, ahead)
         else:
@@ -340,7 +274,7 @@ class Trainer:
         budget_steps = checkpointed  # steps of this stage the model has taken (each one charged)
         authorised = checkpointed + ahead
         if step or charged:
-            self._announce_resume(step, charged, ahead, total_budget_steps)
+            announce_resume(self.stage, step, charged if self.dp is not None else step, ahead, total_budget_steps)
 
         public = RunLogger(run.release / "tensorboard")
         curator = RunLogger(run.curator / "tensorboard", enabled=config.curator_diagnostics, wall_clock=True)
@@ -458,36 +392,6 @@ class Trainer:
             raise ValidationError("dp.noise_seed", "the run's SecretRoot is given: its seed is the run's noise_seed")
         return root.torch_generator(f"{self.stage}/sampler"), root.noise(f"{self.stage}/noise")
 
-    def _resume_plan(self, event: PrivacyEvent, planned: int, checkpointed: int) -> tuple[int, int, int]:
-        """(steps of this stage charged, charged steps the checkpoint has not trained and this run replays, steps
-        the model will have trained at the end). An earlier attempt's authorisations count as spent."""
-        history = self.ledger.stages[self.stage].accountant.history
-        charged = sum(count for _, count in history)
-        if charged < checkpointed:
-            raise ValidationError(
-                "journal", f"the checkpoint records {checkpointed} private steps but the journal only {charged}: "
-                "refusing to under-count (was the journal removed?)"
-            )
-        unrun = charged - checkpointed
-        if all(recorded == event for recorded, _ in history):
-            return charged, unrun, max(planned, charged)
-        # The journal holds other events (an earlier attempt's, charged as recorded): fit what is left around them.
-        # Charged steps of another event cannot be replayed under this one: they stay charged, and are lost.
-        tail_event, tail_count = history[-1]
-        ahead = min(unrun, tail_count) if tail_event == event else 0
-        if unrun > ahead:
-            print(f"resume: stage {self.stage!r}: {unrun - ahead} charged steps were authorised under another "
-                  "per-step event and cannot be replayed under this run's: they stay charged and are lost",
-                  file=sys.stderr)
-        cap = STEP_SEARCH_LIMIT if self.config.max_steps is None else max(self.config.max_steps - charged, 0)
-        return charged, ahead, checkpointed + ahead + self.ledger.remaining(self.stage, event, cap)
-
-    def _announce_resume(self, step: int, charged: int, ahead: int, total: int) -> None:
-        """What a resumed loop found and will do (step counts are functions of the budget and the config)."""
-        replay = (f"; {ahead} charged steps are not in the checkpoint: they run first, from it, with the secret "
-                  "randomness they were charged for (charged once)" if ahead else "")
-        print(f"resume: stage {self.stage!r}: {step} steps trained, {charged if self.dp is not None else step} "
-              f"charged{replay}; {max(total - step, 0)} steps to come (of {total})", file=sys.stderr)
     def _step(
         self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer, diagnostics: bool = True
     ) -> dict[str, float]:
@@ -566,38 +470,6 @@ class Trainer:
             },
         )
 
-    def _check_same_run(self, state: Mapping[str, Any], trainer_sha256: str, inputs: Mapping[str, str]) -> None:
-        if state["pipeline"] != self.pipeline or state["config_sha256"] != trainer_sha256:
-            raise ValidationError(
-                "trainer.resume", f"{self.checkpoint_path} belongs to a different configuration; use a new run_dir"
-            )
-        recorded = state.get("inputs") or {}
-        differing = sorted(name for name in set(recorded) & set(inputs) if recorded[name] != inputs[name])
-        if differing:
-            raise ValidationError(f"inputs.{differing[0]}", f"{self.checkpoint_path} was trained on another "
-                                  f"{differing[0]}; refusing to resume from it")
-
-    def _restore(self, state, optimizer, scheduler, generator, noise) -> None:
-        """Load a checkpoint's states; a mismatch is a ValidationError naming the part, before anything is written."""
-        parts = [("algorithm", lambda: self.algorithm.load_state_dict(state["algorithm"])),
-                 ("optimizer", lambda: optimizer.load_state_dict(state["optimizer"])),
-                 ("scheduler", lambda: scheduler.load_state_dict(state["scheduler"])),
-                 ("rng.sampler", lambda: generator.set_state(state["rng"]["sampler"]))]
-        if noise is not None:
-            parts.append(("rng.noise", lambda: noise.load_state_dict(state["rng"]["noise"])))
-        for name, load in parts:
-            try:
-                load()
-            except ValidationError:
-                raise
-            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-                raise ValidationError(f"checkpoint.{name}", f"does not match this run: {str(exc)[:300]}") from None
-        try:
-            state["eval_history"][:] = [(int(s), {str(k): float(v) for k, v in m.items()})
-                                        for s, m in state["eval_history"]]
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise ValidationError("checkpoint.eval_history", f"malformed: {exc}") from None
-
 
 def _check_same_unit(algorithm: PrivateAlgorithm, source: Any) -> None:
     """The source's grouping owns the privacy unit: an algorithm declaring another one is refused."""
@@ -614,6 +486,4 @@ def _check_same_unit(algorithm: PrivateAlgorithm, source: Any) -> None:
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str = "train"):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)
