@@ -152,7 +152,7 @@ _STAGE = ('{"name": "train", "budget": [1.0, 1e-5], "mechanism": "rdp", "unit": 
 ])
 def test_corrupt_journals_refuse_to_guess_the_spent_budget(tmp_path, text):
     """Failure 7 (a garbage ledger): every malformed journal is a named error, never a traceback or a guess."""
-    from dporl.train.run_dir import GENESIS, _record_hash
+    from dporl.train.journal_file import GENESIS, record_hash as _record_hash
 
     path = tmp_path / "journal.json"
     try:  # a journal with a valid chain link, so that what is refused is the ledger it records

@@ -96,7 +96,7 @@ def forge(run: Path, edit) -> None:
     edit(journal)
     chain = journal.pop("chain", None)
     if chain is not None:  # (a journal without a chain needs no forging)
-        from dporl.train.run_dir import _record_hash
+        from dporl.train.journal_file import record_hash as _record_hash
 
         chain["hash"] = _record_hash(chain["prev"], journal)
         journal["chain"] = chain
@@ -377,7 +377,7 @@ def _journaled(root: Path) -> RunDirectory:
 
 def test_the_journal_chain_and_its_copy_in_the_provenance(tmp_path):
     from dporl.train import run_lock
-    from dporl.train.run_dir import GENESIS, _record_hash
+    from dporl.train.journal_file import GENESIS, record_hash as _record_hash
 
     run = _journaled(tmp_path / "run")
     journal = json.loads(run.journal_path.read_text())

@@ -63,8 +63,6 @@ software on the curator's own machine can stop; against that, keep the chain hea
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import re
 import shutil
 import sys
@@ -75,58 +73,36 @@ from typing import Any, Literal, Mapping, Optional, get_args
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.units import Relation
 from dporl.train import run_lock
+# GENESIS, read_journal, IGNORED_KEYS and config_sha256 are re-exported for the callers of this module.
+from dporl.train.journal_file import (  # noqa: F401
+    FORMAT_VERSION,
+    GENESIS,
+    JOURNAL_FORMAT,
+    PROVENANCE_FORMAT,
+    charged_per_stage,
+    extends_history,
+    head_of,
+    plain,
+    read_journal,
+    read_versioned,
+    record_hash,
+    stage_history,
+    verify_chain,
+)
+from dporl.train.provenance import (  # noqa: F401
+    IGNORED_KEYS,
+    canonical_config,
+    canonical_json,
+    config_differences,
+    config_sha256,
+)
 from dporl.utils.io import atomic_write_json, read_json
 from dporl.utils.validation import ValidationError
 
 RunMode = Literal["new", "resume", "overwrite"]
 RUN_MODES: tuple[str, ...] = get_args(RunMode)
-PROVENANCE_FORMAT = "dporl-run"
-JOURNAL_FORMAT = "dporl-privacy-journal"
-FORMAT_VERSION = 2  # 2: the journal is a hash chain whose head provenance.json copies
-GENESIS = "0" * 64  # the "previous hash" of a journal's first record
 # Temporary files of dporl.utils.io's atomic writers (".NAME.XXXXXXXX.tmp[.ext]"): what a killed write leaves.
 ATOMIC_TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp(\.[A-Za-z0-9]+)?$")
-# Config keys (at any depth) that do not change what a run computes: where it is written, progress display.
-IGNORED_KEYS = frozenset({"run_dir", "out_dir", "progress", "resume"})
-
-
-def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` as plain JSON data with the ``IGNORED_KEYS`` removed at every depth."""
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {str(k): strip(v) for k, v in value.items() if str(k) not in IGNORED_KEYS}
-        if isinstance(value, (list, tuple)):
-            return [strip(v) for v in value]
-        return value
-
-    return json.loads(json.dumps(strip(dict(config)), default=str))
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
-
-
-def config_sha256(config: Mapping[str, Any]) -> str:
-    """sha256 of the canonical JSON of ``config`` (ignored keys removed, keys sorted)."""
-    return hashlib.sha256(canonical_json(canonical_config(config)).encode()).hexdigest()
-
-
-def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys at which two canonical configs differ (``"dp.noise_multiplier: 3.0 -> 1.0"``)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in sorted(set(old) | set(new)):
-            name = f"{prefix}.{key}" if prefix else key
-            if key not in old:
-                out.append(f"{name}: (absent) -> {new[key]!r}")
-            elif key not in new:
-                out.append(f"{name}: {old[key]!r} -> (absent)")
-            else:
-                out.extend(config_differences(old[key], new[key], name))
-        return out
-    same = old == new or (isinstance(old, float) and isinstance(new, float) and math.isnan(old) and math.isnan(new))
-    return [] if same else [f"{prefix or '(config)'}: {old!r} -> {new!r}"]
 
 
 class RunDirectory:
@@ -253,7 +229,8 @@ class RunDirectory:
             )
         self._recorded = recorded
         self._journal = self._read_journal()
-        self._head = self._verify_chain(self._journal, recorded.get("journal"))
+        self._head = verify_chain(self._journal, recorded.get("journal"), self.journal_path,
+                                  self.provenance_path)
         if self._journal is not None:
             self._completed = dict(self._journal.get("completed") or {})
             self._ledger_state = self._journal["ledger"]
@@ -268,51 +245,17 @@ class RunDirectory:
                 f"{self.root} is not empty and is not a dporl run directory ({path.relative_to(self.root)} is "
                 "missing): refusing to resume, reuse or delete it; choose a new run_dir",
             )
-        return _read_versioned(path, "run_dir.provenance", PROVENANCE_FORMAT,
+        return read_versioned(path, "run_dir.provenance", PROVENANCE_FORMAT,
                                {"pipeline": str, "config_sha256": str, "inputs": dict})
 
     def _read_journal(self) -> Optional[dict[str, Any]]:
         path = self.journal_path
         if not path.exists():
             return None
-        journal = _read_versioned(path, "journal", JOURNAL_FORMAT, {"ledger": dict, "completed": dict, "chain": dict})
+        journal = read_versioned(path, "journal", JOURNAL_FORMAT, {"ledger": dict, "completed": dict, "chain": dict})
         if journal.get("config_sha256") != self.config_sha256:
             raise ValidationError("journal", f"{path} belongs to another configuration than {self.provenance_path}")
         return journal
-
-    def _verify_chain(self, journal: Optional[dict[str, Any]], head: Any) -> Optional[dict[str, Any]]:
-        """The verified chain head of ``journal`` against the copy provenance.json holds (``head``); refuses a
-        missing, edited, rolled-back or foreign journal. The journal may be one record ahead of its copy (a run
-        stopped between the two writes); never behind."""
-        path = self.journal_path
-        if head is not None and not (
-            isinstance(head, dict) and isinstance(head.get("seq"), int) and isinstance(head.get("hash"), str)
-        ):
-            raise ValidationError("run_dir.provenance", f"{self.provenance_path}: malformed journal head {head!r}")
-        if journal is None:
-            if head is not None:
-                raise ValidationError(
-                    "journal", f"{path} is missing, but {self.provenance_path.name} records {head['seq']} journal "
-                    "writes: the privacy spent by this run cannot be recovered; refusing to resume or re-run any "
-                    "paid step. Start a new run_dir (or --overwrite)"
-                )
-            return None
-        chain = _check_record(journal, path)
-        expected = head["hash"] if head is not None else GENESIS
-        seq = head["seq"] if head is not None else 0
-        if head is not None and (chain["seq"], chain["hash"]) == (seq, expected):
-            return _head_of(journal)
-        if chain["seq"] == seq + 1 and chain["prev"] == expected:
-            return _head_of(journal)  # written, then stopped before its head was copied
-        if chain["seq"] <= seq:
-            raise ValidationError(
-                "journal", f"{path} is record {chain['seq']} of its chain but {self.provenance_path.name} records "
-                f"{seq}: an older (or other) journal was put back; refusing to under-count. Start a new run_dir"
-            )
-        raise ValidationError(
-            "journal", f"{path} (record {chain['seq']}) does not continue the chain head {self.provenance_path.name} "
-            f"records (record {seq}): refusing to resume from a journal that is not this run's"
-        )
 
     def _verify_witnesses(self) -> None:
         """Completion manifests record the charges they were written after; released files need a journal."""
@@ -337,15 +280,15 @@ class RunDirectory:
         """What a file written now records of the journal (``check_witness`` compares it later): the chain head and
         the charges per stage; with ``stage``, also that stage's events as recorded (in order)."""
         witness: dict[str, Any] = {"seq": 0 if self._head is None else self._head["seq"],
-                                   "charged": _tally(self._ledger_state)}
+                                   "charged": charged_per_stage(self._ledger_state)}
         if stage is not None:
-            witness["stage"], witness["history"] = stage, _history(self._ledger_state, stage)
+            witness["stage"], witness["history"] = stage, stage_history(self._ledger_state, stage)
         return witness
 
     def check_witness(self, witness: Mapping[str, Any], what: str) -> None:
         """Refuse a journal that charges less than a file written earlier saw it charge (``journal_witness``)."""
         seq = 0 if self._head is None else self._head["seq"]
-        charged = _tally(self._ledger_state)
+        charged = charged_per_stage(self._ledger_state)
         try:
             then_seq = int(witness["seq"])
             then = {str(k): int(v) for k, v in dict(witness["charged"]).items()}
@@ -362,8 +305,8 @@ class RunDirectory:
             )
         if history is not None:
             stage = witness.get("stage")
-            now = _history(self._ledger_state, stage) if isinstance(stage, str) else None
-            if now is None or not _extends(now, history):
+            now = stage_history(self._ledger_state, stage) if isinstance(stage, str) else None
+            if now is None or not extends_history(now, history):
                 raise ValidationError(
                     "journal", f"{what} saw stage {stage!r} charge {history} but {self.journal_path} records "
                     f"{now}: the events were changed; refusing to resume"
@@ -456,8 +399,8 @@ class RunDirectory:
 
     def _write_journal(self, ledger_state: dict[str, Any]) -> None:
         """One record of the chain: the journal first, then its head in provenance.json (a stop between the two
-        leaves the journal one record ahead, which ``_verify_chain`` accepts)."""
-        body = _plain({
+        leaves the journal one record ahead, which ``verify_chain`` accepts)."""
+        body = plain({
             "format": JOURNAL_FORMAT,
             "version": FORMAT_VERSION,
             "pipeline": self.pipeline,
@@ -470,11 +413,11 @@ class RunDirectory:
             return  # nothing new to record (a resumed run re-attaching its ledger): the chain stays as it is
         seq = 1 if self._head is None else self._head["seq"] + 1
         prev = GENESIS if self._head is None else self._head["hash"]
-        record = {**body, "chain": {"seq": seq, "prev": prev, "hash": _record_hash(prev, body)}}
+        record = {**body, "chain": {"seq": seq, "prev": prev, "hash": record_hash(prev, body)}}
         atomic_write_json(self.journal_path, record)
         self._journal = record
         self._ledger_state = body["ledger"]
-        self._head = _head_of(record)
+        self._head = head_of(record)
         self._write_provenance()
 
     def complete(self, name: str, manifest: Mapping[str, Any]) -> None:
@@ -500,71 +443,6 @@ class RunDirectory:
         return summary
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as the JSON data a reader will load (numpy scalars, paths and tuples made plain)."""
-    from dporl.utils.io import _json_default
-
-    return json.loads(json.dumps(value, default=_json_default, allow_nan=True))
-
-
-def _record_hash(prev: str, body: Mapping[str, Any]) -> str:
-    return hashlib.sha256((prev + canonical_json(body)).encode()).hexdigest()
-
-
-def _check_record(journal: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    """The chain link of a journal record, after checking its hash."""
-    chain = journal.get("chain")
-    if not (isinstance(chain, dict) and isinstance(chain.get("seq"), int) and not isinstance(chain["seq"], bool)
-            and chain["seq"] >= 1 and isinstance(chain.get("prev"), str) and isinstance(chain.get("hash"), str)):
-        raise ValidationError("journal", f"{path} has no valid chain link; refusing to guess what it says")
-    body = {key: value for key, value in journal.items() if key != "chain"}
-    if _record_hash(chain["prev"], body) != chain["hash"]:
-        raise ValidationError(
-            "journal", f"{path} does not verify (its hash chain breaks at record {chain['seq']}): it was edited or "
-            "damaged after it was written; refusing to resume from it or report what it says. Start a new run_dir "
-            "(or --overwrite)"
-        )
-    return chain
-
-
-def _head_of(journal: Mapping[str, Any]) -> dict[str, Any]:
-    chain = journal["chain"]
-    return {"seq": chain["seq"], "hash": chain["hash"], "charged": _tally(journal["ledger"])}
-
-
-def _stages(ledger_state: Optional[Mapping[str, Any]]) -> list:
-    stages = (ledger_state or {}).get("stages") or []
-    return stages if isinstance(stages, list) else []
-
-
-def _history(ledger_state: Optional[Mapping[str, Any]], stage: str) -> list:
-    for entry in _stages(ledger_state):
-        if isinstance(entry, dict) and entry.get("name") == stage:
-            return list(((entry.get("accountant") or {}).get("history")) or [])
-    return []
-
-
-def _tally(ledger_state: Optional[Mapping[str, Any]]) -> dict[str, int]:
-    """Events charged per stage in a saved ledger state."""
-    tally = {}
-    for entry in _stages(ledger_state):
-        try:
-            tally[str(entry["name"])] = sum(int(count) for _, count in entry["accountant"]["history"])
-        except (KeyError, TypeError, ValueError):
-            raise ValidationError("journal", "a stage's recorded events are malformed") from None
-    return tally
-
-
-def _extends(now: list, then: list) -> bool:
-    """Whether the event history ``now`` continues ``then`` (same events in order; the last may have grown)."""
-    if not then:
-        return True
-    if len(now) < len(then) or any(list(a) != list(b) for a, b in zip(now[: len(then) - 1], then[:-1])):
-        return False
-    (event_then, count_then), (event_now, count_now) = then[-1], now[len(then) - 1]
-    return event_now == event_then and int(count_now) >= int(count_then)
-
-
 def _remove_made(root: Path, made: str) -> None:
     """Undo ``prepare()`` of a run that never began: the directory it created, or the contents of the empty one it
     found."""
@@ -584,29 +462,6 @@ def _remove_stale_temporaries(root: Path) -> None:
         if path.is_file() and not path.is_symlink() and ATOMIC_TEMP.match(path.name):
             print(f"run_dir: removing {path.relative_to(root)}, left by an interrupted write", file=sys.stderr)
             path.unlink(missing_ok=True)
-
-
-def _read_versioned(path: Path, field: str, kind: str, required: Mapping[str, type]) -> dict[str, Any]:
-    """A JSON file of format ``kind`` (this version) whose ``required`` keys have the given types."""
-    value = read_json(path, field)
-    if (
-        not isinstance(value, dict)
-        or value.get("format") != kind
-        or value.get("version") != FORMAT_VERSION
-        or not all(isinstance(value.get(key), type_) for key, type_ in required.items())
-    ):
-        raise ValidationError(field, f"{path} is not a {kind} v{FORMAT_VERSION} file; refusing to guess what it says")
-    return value
-
-
-def read_journal(path: str | Path) -> PrivacyLedger:
-    """The ledger a journal file records (every authorised event, as authorised); validated (its hash chain link
-    included), never guessed."""
-    journal = _read_versioned(Path(path), "journal", JOURNAL_FORMAT, {"ledger": dict})
-    _check_record(journal, Path(path))
-    ledger = PrivacyLedger()
-    ledger.load_state_dict(journal["ledger"])
-    return ledger
 
 
 def _warn_discarded(root: Path, journal_path: Path) -> None:
