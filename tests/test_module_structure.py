@@ -26,9 +26,6 @@ LONG_MODULES = {
 }
 KNOWN_CYCLES = [
     {"dporl.experts.collect", "dporl.experts.process_env"},  # through make_vector_env
-    # accountants -> relations (doubled_sensitivity), rdp -> selection (selection_rdp), both inside functions
-    {"dporl.privacy.accountants", "dporl.privacy.rdp", "dporl.privacy.relations", "dporl.privacy.selection"},
-    {"dporl.cli", "dporl.audit.__main__", "dporl.audit.crash_resume"},  # crash_resume drives dporl.cli.main
 ]
 
 

@@ -34,7 +34,6 @@ after its files are whole and before it is marked complete is recovered: the res
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -87,68 +86,6 @@ class Trial:
     failures: list[str] = field(default_factory=list)
 
 
-# ------------------------------------------------------------------------------------------------ the child
-def child(argv: list[str]) -> int:
-    """``python -m dporl.audit.crash_resume FAULT LOG -- dporl-args...``: run ``dporl`` with the fault armed and
-    every step / release recorded in LOG."""
-    fault, log_path, rest = argv[0], argv[1], argv[3:]
-    kind, _, where = fault.partition(":")
-    target, _, index = where.rpartition(":") if kind in ("before", "after") else ("", "", where)
-    log = open(log_path, "a")
-
-    def record(line: str) -> None:
-        log.write(line + "\n")
-        log.flush()
-        os.fsync(log.fileno())
-
-    def die() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    record(f"start {time.time()}")
-
-    counts: Counter = Counter()
-    real_replace = os.replace
-
-    def replace(src, dst, *args, **kwargs):
-        name = Path(dst).name
-        counts[name] += 1
-        armed = name == target and str(counts[name]) == index
-        if armed and kind == "before":
-            die()
-        real_replace(src, dst, *args, **kwargs)
-        if armed and kind == "after":
-            die()
-
-    os.replace = replace
-
-    from dporl.pipelines.train import release as train_release
-    from dporl.train.trainer import Trainer
-
-    real_step, real_release = Trainer._step, train_release.release_stable_prefixes
-
-    def step(self, *args, **kwargs):
-        number = self.current_step
-        record(f"begin {number}")
-        out = real_step(self, *args, **kwargs)
-        if kind == "step" and str(number) == index:
-            die()
-        digest = hashlib.sha256()
-        for tensor in self.algorithm.state_dict().values():
-            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        record(f"end {number} {digest.hexdigest()}")
-        return out
-
-    def release(*args, **kwargs):
-        record(f"release {time.time()}")
-        return real_release(*args, **kwargs)
-
-    Trainer._step = step
-    train_release.release_stable_prefixes = release
-    from dporl.cli import main
-
-    return main(rest)
-
-
 # ------------------------------------------------------------------------------------------------ the parent
 def write_data(directory: Path) -> tuple[Path, Path]:
     """600 LQR CartPole experts (3 physics settings, p_min 0.1) and one logged episode each (<= 60 steps)."""
@@ -197,7 +134,7 @@ def draw_fault(rng: np.random.Generator, steps: int, window: tuple[float, float]
 
 
 def _run_child(fault: str, delay: float, log: Path, config: Path, resume: bool, timeout: float = 600):
-    command = [sys.executable, "-m", "dporl.audit.crash_resume", fault, str(log), "--", "train", "--config",
+    command = [sys.executable, "-m", "dporl.audit.crash_child", fault, str(log), "--", "train", "--config",
                str(config), *(["--resume"] if resume else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
@@ -404,6 +341,3 @@ def describe(result: dict[str, Any]) -> str:
     ]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(child(sys.argv[1:]))

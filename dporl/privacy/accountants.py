@@ -38,6 +38,7 @@ from dporl.privacy.events import (
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
     SelectionEvent,
+    doubled_sensitivity,
     event_from_dict,
     event_to_dict,
 )
@@ -210,8 +211,6 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
         if not count or spends_nothing(event):
             continue
         if isinstance(event, ReplaceOneEvent):  # a replacement moves the release by twice the sensitivity
-            from dporl.privacy.relations import doubled_sensitivity
-
             event = doubled_sensitivity(event.event)
         if isinstance(event, MixtureEvent):
             event = event.event

@@ -8,6 +8,7 @@ are noise standard deviation (or Laplace scale) divided by the L2 (or L1) sensit
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -156,6 +157,19 @@ PrivacyEvent = Union[
 _EVENT_CLASSES = (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent,
                   SampledWithoutReplacementGaussianEvent, ReplaceOneEvent, SelectionEvent)
 _EVENT_TYPES = {cls.__name__: cls for cls in _EVENT_CLASSES}
+
+
+def doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
+    """The same release with twice the sensitivity: what the closed-form fallback charges for a replacement."""
+    if isinstance(event, MixtureEvent):
+        event = event.event
+    if isinstance(event, PoissonGaussianEvent):
+        return PoissonGaussianEvent(event.noise_multiplier / 2, 1.0)
+    if isinstance(event, LaplaceEvent):
+        return LaplaceEvent(event.noise_multiplier / 2)
+    if isinstance(event, ApproxDPEvent) and not event.replace_one:
+        return ApproxDPEvent(2 * event.epsilon, min(1.0, (1 + math.exp(event.epsilon)) * event.delta))
+    return event
 
 
 def event_to_dict(event: PrivacyEvent) -> dict[str, Any]:

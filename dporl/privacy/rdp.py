@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,7 +27,6 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
-    SelectionEvent,
 )
 from dporl.utils.validation import ValidationError
 
@@ -45,6 +44,18 @@ _IS_FRACTIONAL = RDP_ORDERS != np.round(RDP_ORDERS)
 # RDP_ORDERS is evaluated: capping the orders at 64 floored epsilon at ~0.101 for delta = 1e-5 (the conversion
 # needs large orders for small epsilons), which made calibration fall back to the unamplified bound.
 SWOR_EXACT_MAX_ORDER = 256
+
+
+# Analyses of composite events that live in their own module (above this one): event type -> its Renyi curve.
+# ``dporl.privacy.selection`` registers the private-selection bound when it is imported (the package imports it).
+_CURVES: dict[type, Callable[[PrivacyEvent], np.ndarray]] = {}
+
+
+def register_curve(event_type: type, curve: Callable[[PrivacyEvent], np.ndarray]) -> None:
+    """Let ``rdp_curve`` answer for ``event_type`` by ``curve`` (one analysis per type; a second is refused)."""
+    if _CURVES.get(event_type, curve) is not curve:
+        raise ValidationError("event", f"an RDP analysis of {event_type.__name__} is already registered")
+    _CURVES[event_type] = curve
 
 
 @functools.lru_cache(maxsize=1024)
@@ -80,10 +91,8 @@ def rdp_curve(event: PrivacyEvent) -> np.ndarray:
         )
         accountant.compose(dp_accounting.LaplaceDpEvent(event.noise_multiplier))
         return np.asarray(accountant.rdp, dtype=float)
-    if isinstance(event, SelectionEvent):  # Papernot & Steinke 2022 (dporl.privacy.selection)
-        from dporl.privacy.selection import selection_rdp
-
-        return selection_rdp(event)
+    if type(event) in _CURVES:  # e.g. SelectionEvent: Papernot & Steinke 2022 (dporl.privacy.selection)
+        return _CURVES[type(event)](event)
     if isinstance(event, ReplaceOneEvent):
         raise ValidationError(
             "accountant.mechanism",

@@ -41,14 +41,7 @@ from dporl.privacy.accountants import (
     spends_nothing,
     within_budget,
 )
-from dporl.privacy.events import (
-    ApproxDPEvent,
-    LaplaceEvent,
-    MixtureEvent,
-    PoissonGaussianEvent,
-    PrivacyEvent,
-    ReplaceOneEvent,
-)
+from dporl.privacy.events import PrivacyEvent, ReplaceOneEvent
 from dporl.privacy.pld import REPLACE_ONE_DISCRETIZATION, replace_one_pld
 from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
@@ -90,19 +83,6 @@ def check_relation(field: str, relation: Relation | str) -> Relation:
     if relation not in RELATIONS:
         raise ValidationError(field, f"unknown neighbouring relation; use one of {[str(r) for r in RELATIONS]}")
     return relation
-
-
-def doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
-    """The same release with twice the sensitivity: what the closed-form fallback charges for a replacement."""
-    if isinstance(event, MixtureEvent):
-        event = event.event
-    if isinstance(event, PoissonGaussianEvent):
-        return PoissonGaussianEvent(event.noise_multiplier / 2, 1.0)
-    if isinstance(event, LaplaceEvent):
-        return LaplaceEvent(event.noise_multiplier / 2)
-    if isinstance(event, ApproxDPEvent) and not event.replace_one:
-        return ApproxDPEvent(2 * event.epsilon, min(1.0, (1 + math.exp(event.epsilon)) * event.delta))
-    return event
 
 
 def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:

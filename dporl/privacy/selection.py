@@ -58,8 +58,9 @@ from typing import Any, Callable, Literal, Optional
 
 import numpy as np
 
-from dporl.privacy.accountants import RDP_ORDERS, epsilon_for, rdp_curve
+from dporl.privacy.accountants import RDP_ORDERS, AnalysisTooLarge, composed_pld, epsilon_for, rdp_curve
 from dporl.privacy.events import ApproxDPEvent, PrivacyEvent, ReplaceOneEvent, SelectionEvent
+from dporl.privacy.rdp import register_curve
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 Distribution = Literal["negative_binomial", "poisson"]
@@ -195,8 +196,6 @@ def rdp_deltas(curve: np.ndarray, epsilons: np.ndarray) -> np.ndarray:
 def trial_deltas(trial: TrialParts) -> Optional[Callable[[np.ndarray], np.ndarray]]:
     """eps -> the trial's delta by its privacy loss distributions (dp_accounting's pessimistic PLDs: each part's
     events composed, the largest part), or None where an event has none or its grid is too large to build."""
-    from dporl.privacy.accountants import AnalysisTooLarge, composed_pld
-
     try:
         plds = [composed_pld(part) for part in trial]
     except AnalysisTooLarge:
@@ -229,6 +228,9 @@ def selection_rdp(event: SelectionEvent) -> np.ndarray:
         return poisson_rdp(curve, event.mu, trial_deltas(event.trial))
     return negative_binomial_rdp(curve, event.eta, event.gamma)
 
+
+
+register_curve(SelectionEvent, selection_rdp)
 
 # --------------------------------------------------------------------------------------------- K
 @dataclass(frozen=True)
