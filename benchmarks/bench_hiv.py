@@ -34,7 +34,7 @@ def simulate_vectorised(n_patients: int, actions: np.ndarray, tolerance: float) 
 
 
 def scalar_rhs(_t, y, eps1, eps2, p=HIVParameters()):
-    """The spec's equations for one patient in plain Python (the baseline's right-hand side)."""
+    """Adams et al. 2004's equations for one patient in plain Python (the baseline's right-hand side)."""
     T1, T2, I1, I2, V, E = y
     infected = I1 + I2
     inf1 = (1.0 - eps1) * p.k1 * V * T1

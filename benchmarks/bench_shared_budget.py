@@ -1,4 +1,4 @@
-"""Budget fully used (issue 16): Algorithm 3's training stage calibrated on its own share of the budget (before)
+"""Budget fully used: Algorithm 3's training stage calibrated on its own share of the budget (before)
 against calibrated to the run budget under the joint PLD over both stages (after), in one run.
 
 For the CartPole quickstart's shapes (1000 experts, p_min 0.1, T = 25 release runs at (eps / 2, delta / 2),

@@ -30,8 +30,8 @@ explicit import. Everything else is imported on first use (``import dporl`` does
 command line starts quickly; the registry's names are looked up (and the algorithm modules imported) on first use
 of a name this module does not list.
 
-Layers, each importing only the ones before it:
-utils -> data, envs, experts -> privacy -> algos -> train -> eval, logging -> audit -> pipelines -> api, cli.
+Layers, each importing only the ones before it (utils is used by all; docs/design.md):
+data -> envs, experts -> privacy -> algos, methods -> train -> eval, logging -> pipelines -> audit, tuning -> api, cli.
 """
 
 from __future__ import annotations

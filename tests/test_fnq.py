@@ -29,7 +29,7 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 
 class LineEnv(gym.Env):
-    """The 1-D line MDP of spec/environments.md, local so these tests do not depend on dporl.envs."""
+    """The 1-D line MDP of Wang & Hegde 2019, local so these tests do not depend on dporl.envs."""
 
     observation_space = gym.spaces.Box(0.0, 1.0, (1,), dtype=np.float32)
     action_space = gym.spaces.Discrete(2)

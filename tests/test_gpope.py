@@ -52,7 +52,8 @@ def random_trajectories(n=6, obs_dim=3, n_actions=3, seed=0):
 
 
 def loop_reference(features, data, theta, w, gamma, target_probs):
-    """B_i straight from the spec, one trajectory and one transition at a time (independent of td_terms).
+    """B_i straight from Xie et al. 2019's Algorithm 1, one trajectory and one transition at a time (independent of
+    td_terms).
 
     ``target_probs``: pi(a|s) of a uniform target (the same for every action), or None on-policy.
     """
@@ -91,7 +92,7 @@ def test_primal_dual_gradient_matches_dense_and_spec_formula(off_policy):
 
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_tabular_path_equals_the_dense_gradient(off_policy):
-    # One-hot features with state_index take the O(tau) gather/scatter path: same B_i as the spec's loop, including
+    # One-hot features with state_index take the O(tau) gather/scatter path: same B_i as the reference loop, including
     # terminal and truncated endings, off-policy ratios and a batch padded wider than its longest trajectory.
     from dporl.algos.gpope import tabular_primal_dual_gradients
     from dporl.envs.features import TabularFeatures

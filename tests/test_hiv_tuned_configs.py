@@ -1,9 +1,8 @@
 """configs/expert_cql_hiv_tuned.yaml, configs/sweep_hiv_tuned.yaml, configs/dataset_hiv_public_tune.yaml and the
 LunarLander heuristic-family configs (expert_cql_ / sweep_lunarlander_analytic.yaml) load and
 run end to end at a tiny scale (the shipped sweep with overrides that shrink the data, the release and training),
-so CI covers the configs the issue-16 HIV table was measured with. The sweep test also pins the fix that lets a
-sweep's overrides shape ``data.generate`` (they used to be re-applied after the generation and failed with "give
-exactly one of data.path or data.generate")."""
+so CI covers the configs the tuned-HIV table of docs/results.md was measured with. The sweep test also checks that
+a sweep's overrides shape ``data.generate`` (applied before the generation, never after it)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ N, P_STAY, GAMMA = 5, 0.5, 0.9
 
 
 def small_chain():
-    """The spec's chain on N states: stay with p, else advance; state N-1 absorbing (its row is zero)."""
+    """Xie et al. 2019's chain on N states: stay with p, else advance; state N-1 absorbing (its row is zero)."""
     P = torch.zeros(N, N, dtype=torch.float64)
     for s in range(N - 1):
         P[s, s], P[s, s + 1] = P_STAY, 1 - P_STAY
@@ -42,7 +42,7 @@ def test_on_policy_distribution_counts_expected_visits():
 def test_true_values_have_zero_mspbe_and_the_zero_estimate_does_not():
     P, r, true, start = small_chain()
     stats = exact_td_statistics(torch.eye(N), P, r, on_policy_distribution(P, start), GAMMA)
-    # The closed form of the spec solves the Bellman equation exactly, so its projected Bellman error vanishes,
+    # The closed form solves the Bellman equation exactly, so its projected Bellman error vanishes,
     # even though C is singular (the absorbing state's feature is never visited: pseudo-inverse).
     assert float(mspbe(true, stats)) == pytest.approx(0.0, abs=1e-20)
     assert float(mspbe(torch.zeros(N), stats)) > 1e-3

@@ -1,4 +1,5 @@
-"""Stable-prefix budget: the spec's threshold formulas, the Laplace-difference tail, composition over T runs."""
+"""Stable-prefix budget: Sharma et al. 2024's threshold formulas, the Laplace-difference tail, composition over
+T runs."""
 
 from __future__ import annotations
 

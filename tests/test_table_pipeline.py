@@ -1,4 +1,4 @@
-"""Done means (issue 14): a CSV of an offline problem with known truth, end to end through the README's API and
+"""A CSV of an offline problem with known truth, end to end through the README's API and
 through ``dporl train --config``: import, unit-level private CQL, private offline evaluation whose interval covers
 the truth, export, reload; and the pipeline's refusals for data it cannot train on privately.
 

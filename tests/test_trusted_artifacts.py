@@ -1,10 +1,8 @@
-"""Run directories and artifacts you can trust: each failure of the issue, reproduced through the command lines.
-
-Failure 1: a reused run directory overspent the budget silently. Failure 2: a changed config overwrote the data
-before refusing. Failure 3: a crash plus a changed config under-counted, and the release had no write-ahead record.
-Failure 4: loading a file could run code. Failure 5: the model artifact carried the secrets. Failure 6: the
-secret randomness was too short and shared. Failure 7: malformed inputs crashed with tracebacks. (Failure 8, the
-DP-SGD engine's hooks, is tested with the engine.)
+"""Run directories and artifacts you can trust, checked through the command lines: a reused run directory never
+overspends the budget; a changed config never overwrites the data; a crashed release is counted once, with a
+write-ahead record; loading a file never runs code; the released model carries no secret; one secret root derives
+every random stream; malformed inputs are named errors with nothing written. (The DP-SGD engine's hooks are tested
+with the engine.)
 """
 
 from __future__ import annotations
@@ -73,8 +71,8 @@ def _files(root: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# ------------------------------------------------------------------------------------------------ failure 1
-def test_failure1_a_reused_run_directory_never_overspends_the_budget(logged, tmp_path, capsys):
+# ------------------------------------------------------------------------------------- reused run directory
+def test_a_reused_run_directory_never_overspends_the_budget(logged, tmp_path, capsys):
     """Failure 1: a directory holding an earlier release (journal, no checkpoint) was reused by a run on another
     dataset, which trained on the old release and printed GUARANTEE (103.8, 1e-5) on a budget of 10."""
     run = tmp_path / "run"
@@ -113,7 +111,7 @@ def test_failure1_a_reused_run_directory_never_overspends_the_budget(logged, tmp
     assert provenance["inputs"]["dataset"] == TrajectoryDataset.load(logged / "b.npz").fingerprint()
 
 
-def test_failure1_no_state_on_disk_can_raise_the_guarantee_above_the_budget(logged, tmp_path, capsys):
+def test_no_state_on_disk_can_raise_the_guarantee_above_the_budget(logged, tmp_path, capsys):
     """Whatever the journal says (here: a forged one with the provenance of this config, a recomputed hash chain
     and a release stage spending eps = 50), a run with budget 10 refuses it rather than print a guarantee above 10."""
     from test_run_directory_integrity import forge
@@ -131,8 +129,8 @@ def test_failure1_no_state_on_disk_can_raise_the_guarantee_above_the_budget(logg
     assert "error: ledger.release.budget" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------ failure 2
-def test_failure2_a_changed_config_never_overwrites_the_data(logged, tmp_path, capsys):
+# ------------------------------------------------------------------------------------------- changed config
+def test_a_changed_config_never_overwrites_the_data(logged, tmp_path, capsys):
     """Failure 2: with a changed config in an existing directory, data/dataset.npz was overwritten (5000 -> 6000
     episodes) before the run refused."""
     generate = {"experts": {"env_id": "CartPole-v1", "family": "analytic", "n_settings": 4,
@@ -165,10 +163,10 @@ def test_failure2_a_changed_config_never_overwrites_the_data(logged, tmp_path, c
     assert _files(tmp_path / "shared") == stamp and not (tmp_path / "r3").exists()
 
 
-# ------------------------------------------------------------------------------------------------ failure 3
+# ----------------------------------------------------------------------------------------- crash and resume
 @pytest.mark.parametrize("crash_on", ["release.json", "release_runs.json"])
-def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys,
-                                                                        crash_on):
+def test_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys,
+                                                               crash_on):
     """Failure 3 (release): a crash between writing D_stable and the ledger produced two releases, of which the
     ledger counted one. The release's events are journaled before any query; a resumed run that finds an
     authorised, unfinished release refuses a second one, and reuses it only when its released files were all
@@ -207,7 +205,7 @@ def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, t
     assert sum(count for _, count in stages["release"].events) == 5  # charged once
 
 
-def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_recorded(logged, tmp_path, capsys):
+def test_a_crash_then_another_noise_multiplier_charges_the_journal_as_recorded(logged, tmp_path, capsys):
     """Failure 3 (training): after a crash before the first checkpoint, a re-run with another sigma charged the
     authorised steps at the NEW event (245 steps at sigma 3 reported as eps 0.216). Now another sigma is another
     configuration (refused); the same one resumes, charging every authorised step at the event it was authorised."""
@@ -246,7 +244,7 @@ def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_r
     assert load_checkpoint(run / "curator" / "checkpoints" / "last.pt")["step"] == 12  # and all of them trained
 
 
-# ------------------------------------------------------------------------------------------------ failure 4
+# -------------------------------------------------------------------------------------------- loading files
 class _Payload:
     """Unpickling this creates a file: the stand-in for arbitrary code in a hostile checkpoint."""
 
@@ -257,7 +255,7 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_failure4_loading_a_file_never_runs_code(logged, tmp_path, capsys):
+def test_loading_a_file_never_runs_code(logged, tmp_path, capsys):
     """Failure 4: evaluate.py on a checkpoint with a pickle payload executed it, and so did train.py through
     release/ledger.pt (fnq's released.pt too)."""
     marker = tmp_path / "pwned"
@@ -290,7 +288,7 @@ def test_failure4_loading_a_file_never_runs_code(logged, tmp_path, capsys):
     assert not marker.exists()
 
 
-def test_failure4_no_unsafe_loader_remains_in_the_tree():
+def test_no_unsafe_loader_remains_in_the_tree():
     """No ``weights_only=False``, no unpickling, no ``allow_pickle=True`` anywhere in the library or the CLIs."""
     offenders = []
     for path in [*ROOT.glob("dporl/**/*.py"), ROOT / "train.py", ROOT / "evaluate.py", *ROOT.glob("benchmarks/*.py")]:
@@ -301,7 +299,7 @@ def test_failure4_no_unsafe_loader_remains_in_the_tree():
     assert offenders == []
 
 
-# ------------------------------------------------------------------------------------------------ failure 5
+# ----------------------------------------------------------------------------------- secrets in the release
 def _secret_byte_windows(checkpoint: dict) -> list[bytes]:
     """16-byte windows of every secret generator state a checkpoint holds (MT19937 words and their neighbours)."""
     states = [checkpoint["rng"]["sampler"], checkpoint["rng"]["noise"]["generator"]]
@@ -312,7 +310,7 @@ def _secret_byte_windows(checkpoint: dict) -> list[bytes]:
     return windows
 
 
-def test_failure5_the_release_carries_no_secret(logged, tmp_path, capsys):
+def test_the_release_carries_no_secret(logged, tmp_path, capsys):
     """Failure 5: the only model artifact was a checkpoint storing the secret generator states (its first bytes
     were the noise seed) and the DP noise stream was regenerated from it. Now release/ holds weights and JSON only;
     no byte of the noise seed or of any secret stream's state appears in any file under release/."""
@@ -337,8 +335,8 @@ def test_failure5_the_release_carries_no_secret(logged, tmp_path, capsys):
     assert "noise_seed" not in (release / "summary.json").read_text()
 
 
-# ------------------------------------------------------------------------------------------------ failure 6
-def test_failure6_one_root_derives_every_secret_stream_and_seeds_reproduce_exactly(logged, tmp_path, monkeypatch):
+# ---------------------------------------------------------------------------------------- secret randomness
+def test_one_root_derives_every_secret_stream_and_seeds_reproduce_exactly(logged, tmp_path, monkeypatch):
     """Failure 6: secret seeds carried 32 bits (s and s + 2^32 collided), the release's expert choice and the
     trainer's sampler were seeded alike, and seeds were derived three ways. Now one SecretRoot per run hands out one
     named stream per mechanism; a fixed noise_seed reproduces the run exactly; s and s + 2^32 differ."""
@@ -377,7 +375,7 @@ def test_failure6_one_root_derives_every_secret_stream_and_seeds_reproduce_exact
     assert ca != cc and not all(torch.equal(wa[k], wc[k]) for k in wa)
 
 
-# ------------------------------------------------------------------------------------------------ failure 7
+# ----------------------------------------------------------------------------------------- malformed inputs
 def _without_config_json(logged: Path, tmp_path: Path) -> Path:
     payload = torch.load(logged / "experts.pt", weights_only=True)
     del payload["config_json"]
@@ -415,7 +413,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-def test_failure7_malformed_inputs_are_named_errors_and_nothing_is_written(logged, tmp_path, capsys, case):
+def test_malformed_inputs_are_named_errors_and_nothing_is_written(logged, tmp_path, capsys, case):
     """Failure 7: each of these crashed with a traceback (or tried to allocate a petabyte)."""
     if case == "cuda on a CPU build" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -427,7 +425,7 @@ def test_failure7_malformed_inputs_are_named_errors_and_nothing_is_written(logge
     assert not (tmp_path / "run").exists()
 
 
-def test_failure7_a_checkpoint_that_does_not_match_and_a_garbage_journal(logged, tmp_path, capsys):
+def test_a_checkpoint_that_does_not_match_and_a_garbage_journal(logged, tmp_path, capsys):
     run = tmp_path / "run"
     config = _config(logged, run, method="dp_sgd")
     assert _train(tmp_path, config) == 0

@@ -56,8 +56,8 @@ ENV_ID = "CartPole-v1"
 GRAVITIES = (9.0, 9.8, 10.5)
 # The public seed of the fixed data (experts' draws and logged episodes). The logged variant's power depends on how
 # many of the target's 5 logged episodes start where the others agree with it: seed 5 gives 61 membership events per
-# 10^4 runs on D (seeds 1-4: 34-48). Seed 0 gave 64 until the batched CartPole gave each sub-env its own reset stream
-# (issue 16); its episodes then gave 16, too few for 10^4 trials to refute the paper's figure.
+# 10^4 runs on D (seeds 1-4: 34-48). Seed 0's episodes (the batched CartPole gives each sub-env its own reset stream)
+# give 16, too few for 10^4 trials to refute the paper's figure.
 DATA_SEED = 5
 
 

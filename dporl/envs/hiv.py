@@ -2,7 +2,9 @@
 
 State (T1, T2, T1*, T2*, V, E); 4 actions = {no drug, RTI, PI, both} with efficacies (eps1, eps2) in
 {(0, 0), (0.7, 0), (0, 0.3), (0.7, 0.3)}; reward -(Q V + R1 eps1^2 + R2 eps2^2 - S E) at the end of each
-treatment interval; observation log10 of the state. Equations and constants: /work/shared/spec/environments.md.
+treatment interval; observation log10 of the state. Equations and constants: Adams et al. 2004, "Dynamic multidrug
+therapies for HIV: optimal and STI control approaches", as in Xie, Thomas, Miklau 2019, "Privacy Preserving
+Off-Policy Evaluation".
 
 Why a hand-written integrator: the ODE is stiff (rates from 0.01/day to ~20/day) and scipy's solve_ivp handles
 one patient per call, so logging tens of thousands of patient-steps costs minutes. ``HIVVectorSimulator``
@@ -39,7 +41,7 @@ HEALTHY_EQUILIBRIUM = np.array([967839.0, 621.0, 76.0, 6.0, 415.0, 353108.0])
 
 @dataclass(frozen=True)
 class HIVParameters:
-    """Model constants of the spec (units: cells/ml, copies/ml, days)."""
+    """Model constants of Adams et al. 2004 (units: cells/ml, copies/ml, days)."""
 
     l1: float = 1e4
     d1: float = 0.01

@@ -1,6 +1,6 @@
 """Cheap analytic expert families: hand-designed controllers with gains varied per expert and per setting.
 
-These are STAND-INS for the paper's PPO experts (spec/expert_level.md trains 3000 PPO actors per environment).
+These are STAND-INS for the paper's PPO experts (Sharma et al. 2024 train 3000 PPO actors per environment).
 They cost milliseconds instead of GPU-days, are deterministic given a seed, and behave like a pool of
 competent-but-different experts, which is what the stable-prefix release and expert-level DP-SGD consume. Measured
 quality is reported by the ``dataset`` pipeline (mean logged return) and in the EXPERTS report.

@@ -1,6 +1,6 @@
 """Batched PPO: E experts trained as ONE stacked model, each on its own physics setting, in one vector env.
 
-The expert-level paper (spec/expert_level.md, "Experiments to reproduce") trains thousands of PPO agents, one per
+The expert-level paper (Sharma et al. 2024, Section 6) trains thousands of PPO agents, one per
 (physics setting, seed). One process per agent pays Python and small-matmul overheads thousands of times; here every
 parameter carries a leading expert axis (the ``StackedMLPPolicy`` layout that ``ExpertSet`` stores: a layer is one
 ``torch.baddbmm`` over experts) and one vector env holds ``E * n_envs`` sub-envs, expert e's ``n_envs`` copies carrying

@@ -1,6 +1,6 @@
 """Rollouts: log trajectories of every expert in one environment, all experts and trajectories advancing together.
 
-``collect`` is the data generator of spec/expert_level.md: each expert logs ``n`` trajectories in the DEFAULT
+``collect`` is the data generator of Sharma et al. 2024: each expert logs ``n`` trajectories in the DEFAULT
 environment, sampling its actions from the SOFTENED policy (so pi_i(a|s) >= p_min truly holds for the logged data)
 and recording the behaviour log-probability of every taken action. One vector environment holds
 ``experts_per_chunk * n`` slots, expert-major (slot ``i * n + j`` is expert i's j-th trajectory); every time step is

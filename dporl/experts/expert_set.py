@@ -1,6 +1,6 @@
 """ExpertSet: m queryable behaviour policies in one batched module, with the p_min guarantee the analysis needs.
 
-The expert-level analysis (spec/expert_level.md, Assumption 3) needs pi_i(a|s) >= p_min for every expert, action
+The expert-level analysis (Sharma et al. 2024, Assumption 3) needs pi_i(a|s) >= p_min for every expert, action
 and queried state. Two ways to get it:
 
 - ``softening="argmax"`` (what the paper's data generator did): in every state the expert's most likely action gets

@@ -1,6 +1,6 @@
 """Expert generation: candidates per physics setting, keep the best k on that setting, stack the survivors.
 
-The paper's protocol (spec/expert_level.md, "Experiments to reproduce"): for each of 1000 physics settings (10 values
+The paper's protocol (Sharma et al. 2024, Section 6): for each of 1000 physics settings (10 values
 of 3 parameters) train PPO experts and keep the best 3 on that setting: 3000 experts. Here:
 
 - ``family="ppo"``: ``candidates_per_setting`` PPO actors per setting, scored by their greedy return over

@@ -12,7 +12,7 @@ Kernel K(x, y) = exp(-beta ||x - y||_1) on states scaled to [0, 1]^d (the caller
   on its nearest stored neighbours s- < s < s+. With a = exp(-beta (s - s-)), b = exp(-beta (s+ - s)):
       mean = [a (1 - b^2) g(s-) + b (1 - a^2) g(s+)] / (1 - a^2 b^2),
       var  = sigma^2 (1 - a^2)(1 - b^2) / (1 - a^2 b^2)
-  (spec/functional_noise.md; the seed's appendix swaps the two weights). One neighbour x0: mean e^{-beta d} g(x0),
+  (the Ornstein-Uhlenbeck bridge; Wang & Hegde 2019's appendix swaps the two weights). One neighbour x0: mean e^{-beta d} g(x0),
   var sigma^2 (1 - e^{-2 beta d}); none: N(0, sigma^2). Neighbours are found by bisection in sorted storage:
   O(log n) comparisons per new point (the insertion itself is a memmove of n pointers, negligible up to ~1e6).
 * d > 1 (``LaplaceKernelPath``): no Markov shortcut. Exact conditioning on every stored point of the current

@@ -1,6 +1,6 @@
-"""Budget of the stable-prefix release (expert-level paper, Algorithms 1-2), exactly as the spec derives it.
+"""Budget of the stable-prefix release (Sharma et al. 2024, Algorithms 1-2 and Lemma 5.1), derived in full below.
 
-Per processed trajectory, with per-query budget eps' (spec "Threshold (derived)"):
+Per processed trajectory, with per-query budget eps' (the threshold as derived here):
 
 - G0 = 1 / (1 - exp(-eps')): above it, the chance that a uniformly chosen expert generates a prefix moves by at
   most e^{+-eps'} when one expert is added or removed (sampling stability);

@@ -20,7 +20,7 @@ from dporl.eval.ope_problems.base import SimulatedProblem
 from dporl.eval.ope_problems.policies import EpsilonGreedyPolicy, sample_actions, uniform_policy
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
-# The spec's scaling of (x, v) to [0, 1] for the Fourier basis (Gymnasium's observation box has x up to 0.6).
+# The scaling of (x, v) to [0, 1] for the Fourier basis (Konidaris et al. 2011's ranges) (Gymnasium's observation box has x up to 0.6).
 MOUNTAIN_CAR_LOW, MOUNTAIN_CAR_HIGH = (-1.2, -0.07), (0.5, 0.07)
 
 
