@@ -10,7 +10,9 @@ next-state columns and the behaviour policy's propensity of the logged action::
 
 The action set is declared, never read from the rows: ``actions`` is a count n (the column holds the integers
 0..n-1) or a list of labels (the column holds those labels, strings or integers; label i becomes action index i,
-and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). A set inferred
+and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). The observation
+columns' names are kept the same way (``metadata.observation_names``, the released policy's observation space), so a
+released policy acts on ``{column: value}`` and answers with a label (``dporl.train.export.GreedyPolicy.act``). A set inferred
 from the rows (the largest logged action + 1) would be private: one unit who once logged a rare action changes it,
 and with it the shape of every released network. Inferring the logged actions is a curator's inspection
 (``logged_action_values``, ``dporl data inspect``), never an input of a run.
@@ -612,6 +614,7 @@ def read_table(
         unit_column=unit,
         unit_keys=tuple(unit_keys),
         action_labels=action_labels,
+        observation_names=tuple(obs_names),  # the column mapping (or the header's names): public, never values
     )
     return TrajectoryDataset(
         observations=obs,
