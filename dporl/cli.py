@@ -37,7 +37,6 @@ Every refusal (bad input, impossible budget) exits with status 2, names the fiel
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional

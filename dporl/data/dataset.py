@@ -78,7 +78,7 @@ import torch
 from dporl.envs.registry import check_no_module
 from dporl.utils.archives import NpyMember, NpzArchive, check_declared
 from dporl.utils.grouping import concat_ranges, stable_group_order
-from dporl.utils.io import MAX_JSON_BYTES, atomic_write, parse_json
+from dporl.utils.io import MAX_JSON_BYTES, atomic_write, dump_json, parse_json
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
 FORMAT_VERSION = 2
@@ -942,7 +942,7 @@ class TrajectoryDataset:
         cached = self.__dict__.get("_fingerprint")
         if cached is not None:  # the arrays are read-only views: the content cannot have changed
             return cached
-        digest = hashlib.sha256(json.dumps(self.metadata.to_dict(), sort_keys=True).encode())
+        digest = hashlib.sha256(dump_json(self.metadata.to_dict(), sort_keys=True).encode())
         for name in _ARRAY_DTYPES:
             array = getattr(self, name)
             digest.update(name.encode())
@@ -965,7 +965,7 @@ class TrajectoryDataset:
             del arrays["behavior_log_probs"]
         payload = {
             "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
-            "metadata": np.array(json.dumps(self.metadata.to_dict(), sort_keys=True)),
+            "metadata": np.array(dump_json(self.metadata.to_dict(), sort_keys=True)),
             **arrays,
         }
 

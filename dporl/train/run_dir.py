@@ -63,7 +63,6 @@ software on the curator's own machine can stop; against that, keep the chain hea
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import shutil
@@ -75,7 +74,7 @@ from typing import Any, Literal, Mapping, Optional, get_args
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.units import Relation
 from dporl.train import run_lock
-from dporl.utils.io import atomic_write_json, read_json
+from dporl.utils.io import atomic_write_json, dump_json, json_ready, read_json
 from dporl.utils.validation import ValidationError
 
 RunMode = Literal["new", "resume", "overwrite"]
@@ -100,11 +99,11 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
             return [strip(v) for v in value]
         return value
 
-    return json.loads(json.dumps(strip(dict(config)), default=str))
+    return json_ready(strip(dict(config)), default=str)
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return dump_json(value, sort_keys=True, separators=(",", ":"))
 
 
 def config_sha256(config: Mapping[str, Any]) -> str:
@@ -502,9 +501,7 @@ class RunDirectory:
 
 def _plain(value: Any) -> Any:
     """``value`` as the JSON data a reader will load (numpy scalars, paths and tuples made plain)."""
-    from dporl.utils.io import _json_default
-
-    return json.loads(json.dumps(value, default=_json_default, allow_nan=True))
+    return json_ready(value)
 
 
 def _record_hash(prev: str, body: Mapping[str, Any]) -> str:
