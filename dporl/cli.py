@@ -7,7 +7,7 @@
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
-    dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL
+    dporl data inspect FILE [--episode COL --unit COL --observations A,B|PREFIX --action COL --reward COL
                             --actions N|LABELS ...] [--json]
     dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]
 
@@ -25,7 +25,9 @@ earlier sweeps' runs instead of running.
 reads, the policy it releases, its Python API config) and every method (``dporl.methods``).
 
 ``evaluate``: returns of a released policy in its public simulator, from ``RUN/release/`` alone (post-processing: no
-privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
+privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook. A run evaluated without a
+simulator (``--run`` without ``--env``) shows the private offline value estimate and interval it released
+(``RUN/release/summary.json``): nothing is recomputed and nothing is spent.
 
 ``data inspect``: what a dataset file holds (episodes, units, actions, observation shape, unit column). It describes
 PRIVATE data: the output is curator-only information, never to be published. Without ``--actions`` it shows the
@@ -143,6 +145,10 @@ def evaluate(args: argparse.Namespace) -> int:
             return pipeline.evaluate(payload, episodes=args.episodes, seed=args.seed, out_dir=out or run_dir)
         from dporl.eval.returns import evaluate_released_policy
 
+        if args.run is not None and args.env is None:
+            released = released_offline_evaluation(Path(args.run))
+            if released is not None:
+                return released
         policy_dir = Path(args.policy) if args.policy else Path(args.run) / "release" / "policy"
         return evaluate_released_policy(
             policy_dir, episodes=args.episodes, seed=args.seed, env_id=args.env, num_envs=args.num_envs,
@@ -150,6 +156,45 @@ def evaluate(args: argparse.Namespace) -> int:
         )
 
     return run_cli(work, as_json=args.json)
+
+
+def released_offline_evaluation(run: Path) -> Optional[dict]:
+    """The offline evaluation a run without a simulator released (``RUN/release/summary.json``), as ``evaluate``
+    shows it; None for a run evaluated in a simulator (or one whose summary records no evaluation: the simulator
+    path then names what is missing). A run that released no evaluation is refused, naming how to evaluate it."""
+    from dporl.utils.io import read_json
+
+    path = run / "release" / "summary.json"
+    if not path.is_file():
+        if (run / "release").is_dir():
+            raise ValidationError("run", f"{run} has no release/summary.json: the run did not finish (resume it)")
+        return None
+    summary = read_json(path, "run.summary")
+    evaluation = summary.get("evaluation") if isinstance(summary, dict) else None
+    if not isinstance(evaluation, dict) or evaluation.get("mode") == "simulator":
+        return None
+    if evaluation.get("mode") != "offline":
+        raise ValidationError("run", f"{run} was trained without a simulator and released no offline evaluation "
+                              "(eval.enabled: false or eval.offline.estimator: none): pass --env ENV_ID to evaluate "
+                              "its policy in a simulator")
+
+    def number(key: str) -> str:
+        value = evaluation.get(key)
+        return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "none"
+
+    estimator = str(evaluation.get("estimator", "?")).upper()
+    confidence = evaluation.get("confidence")
+    level = f"{100 * confidence:g}% interval" if isinstance(confidence, (int, float)) else "interval"
+    calibrated = evaluation.get("calibrated", True) is True
+    return {
+        "run": str(run),
+        "source": "release/summary.json: the value the run released (nothing recomputed, no privacy cost)",
+        "evaluation": evaluation,
+        "privacy": summary.get("privacy"),
+        "headline": {f"policy value (DP-{estimator}, {level}, released by the run)":
+                     f"{number('value')} [{number('ci_low')}, {number('ci_high')}]"
+                     + ("" if calibrated else " (interval NOT calibrated: see the evaluation's notes)")},
+    }
 
 
 def evaluate_main(argv: Optional[list[str]] = None, prog: str = "dporl evaluate") -> int:
@@ -174,7 +219,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in TABLE_FLAGS:
         inspect.add_argument(f"--{flag.replace('_', '-')}", dest=flag, default=None,
                              help=f"table: the {flag.replace('_', ' ')} column" +
-                                  (" (or a prefix of columns)" if "observations" in flag else "") +
+                                  (" (a comma-separated list a,b,c, or a prefix of columns)" if "observations" in flag
+                                   else "") +
                                   ("; minari: the info key of the unit" if flag == "unit" else ""))
     inspect.add_argument("--actions", default=None,
                          help="table: the declared action set, a count (e.g. 3) or comma-separated labels (e.g. "
@@ -232,6 +278,9 @@ def inspect_dataset(args: argparse.Namespace) -> dict:
         dataset = TrajectoryDataset.load(args.file)
     elif kind == "table":
         mapping = {flag: getattr(args, flag) for flag in TABLE_FLAGS if getattr(args, flag) is not None}
+        for flag in ("observations", "next_observations"):  # a comma-separated list of columns, or one / a prefix
+            if flag in mapping and "," in mapping[flag]:
+                mapping[flag] = [name.strip() for name in mapping[flag].split(",") if name.strip()]
         missing = [flag for flag in ("episode", "unit", "observations", "action", "reward") if flag not in mapping]
         if missing:
             raise ValidationError(f"--{missing[0]}", "a table needs its column mapping: --episode, --unit, "

@@ -52,9 +52,14 @@ class PrivateTrainingConfig:
 
 @dataclass
 class EvalConfig:
-    # Evaluate in a simulator: the dataset's environment (default physics, where the data were logged) when its id
-    # is a registered Gymnasium environment, or env_id. False, or no simulator: private evaluation on logged data.
+    """How the learned policy is evaluated: returns in a public simulator when there is one (no privacy cost), else a
+    private estimate of its value on logged data (``offline``: paid from the run's budget)."""
+
+    # False: no evaluation at all (no simulator returns, no private estimate, none of the budget spent on one).
     enabled: bool = True
+    # Evaluate in a simulator: env_id, or the dataset's environment (default physics, where the data were logged)
+    # when its id is a registered Gymnasium environment. False, or no simulator: private evaluation on logged data.
+    simulator: bool = True
     env_id: Optional[str] = None
     episodes: int = 10
     num_envs: int = 4
@@ -67,6 +72,10 @@ class EvalConfig:
     gamma: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if not self.enabled and self.offline.estimator not in ("auto", "none"):
+            raise ValidationError("eval.enabled", f"false turns every evaluation off, yet eval.offline.estimator asks "
+                                  f"for {self.offline.estimator!r}: to evaluate privately on logged data instead of in "
+                                  "a simulator, set eval.simulator: false (and leave eval.enabled true)")
         if self.env_id is not None:
             check_no_module("eval.env_id", self.env_id)  # refused even with evaluation off: never a module
         for name in ("episodes", "num_envs", "last_evals"):
