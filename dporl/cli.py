@@ -1,6 +1,6 @@
 """The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
 
-    dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [--print-config] [key=value ...]
     dporl tune --config configs/X.yaml --space S.yaml [--resume | --overwrite] [--json] [key=value | tune.key=value ...]
     dporl sweep --config configs/sweep_X.yaml [--from-runs RUNS_CSV ...] [key=value ...]
     dporl list                                  the pipelines, algorithms and methods dporl knows
@@ -10,13 +10,20 @@
     dporl data inspect FILE [--episode COL --unit COL --observations A,B|PREFIX --action COL --reward COL
                             --actions N|LABELS ...] [--json]
     dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]
+    dporl init table FILE.csv [--out CONFIG.yaml]
 
 ``train``: run the pipeline a YAML config names. Overrides use dotted keys (``epsilon=1 trainer.max_steps=500``);
 values are parsed as YAML; unknown keys fail. The run directory must be new or empty: ``--resume`` continues the run
 found there if its provenance (config and input hashes) equals this one's and names what differs otherwise;
 ``--overwrite`` replaces it after the new config and inputs were validated. stdout ends with the headline metrics
 and the guarantee; the full config and summaries go to the run directory (``--json`` prints the whole public
-summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
+summary instead). Share ``RUN/release/``; never share ``RUN/curator/``. ``--print-config`` prints the fully resolved
+config (defaults filled in, overrides applied, validated) as YAML and exits without running. Every key is described in
+docs/config.md (``python -m dporl.config_reference``).
+
+``init table``: a starting "train" config for a CSV / Parquet table, written from its header alone (no row is read):
+columns assigned to roles by name, every public fact the run needs (the action set, the value bounds, a unit's
+clip) and the budget as ``TODO: ...`` placeholders the loader refuses, naming the key, until they are filled in.
 
 ``sweep``: a "train" config over budgets x methods x seeds (``dporl.pipelines.sweep``); ``--from-runs`` tabulates
 earlier sweeps' runs instead of running.
@@ -55,12 +62,25 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_const", const="overwrite", dest="mode",
                       help="replace the run in the run directory (removed after the new config validated)")
     parser.add_argument("--json", action="store_true", help="print the whole public summary as JSON")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the fully resolved config (after overrides) as YAML and exit without running")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
 
 
 def train(args: argparse.Namespace) -> int:
     from dporl.pipelines import get_pipeline, run_cli
-    from dporl.utils.config import apply_overrides, from_dict, load_yaml
+    from dporl.utils.config import apply_overrides, dump_config, from_dict, load_yaml
+
+    if getattr(args, "print_config", False):
+        try:
+            data = apply_overrides(load_yaml(args.config), args.overrides)
+            pipeline = get_pipeline(data.get("pipeline"))
+            text = dump_config(from_dict(pipeline.config_cls, data))
+        except ValidationError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(text, end="")
+        return 0
 
     def work() -> dict:
         data = apply_overrides(load_yaml(args.config), args.overrides)
@@ -383,6 +403,40 @@ def write_example(args: argparse.Namespace) -> dict:
             "actions": "2 (0 = wait, 1 = treat): declare it (columns.actions: 2, read_table(..., actions=2))"}
 
 
+# ---------------------------------------------------------------------------------------------------- init
+def add_init_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="init_command", required=True)
+    table = commands.add_parser(
+        "table", help="a starting train config for a CSV / Parquet table, from its header alone",
+        description="Write a starting 'train' config for a table from its header alone (no row is read). Check the "
+                    "column guesses and fill in every TODO (the public facts: action set, value bounds, unit clip; "
+                    "and the budget): a run refuses a TODO, naming its key.")
+    table.add_argument("file", help="a .csv / .tsv / .parquet table")
+    table.add_argument("--out", default=None, help="the YAML file to write (default: stdout); never overwritten")
+
+
+def init(args: argparse.Namespace) -> int:
+    from dporl.pipelines.table_config import table_config
+    from dporl.utils.io import atomic_write_text
+
+    try:
+        text = table_config(args.file)
+        if args.out is not None:
+            out = Path(args.out)
+            if out.exists():
+                raise ValidationError("--out", f"{out} exists: choose another file (a config is never overwritten)")
+            atomic_write_text(out, text)
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(text, end="")
+    else:
+        print(f"wrote {args.out}: check the column guesses and fill in every TODO, then "
+              f"dporl train --config {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- list
 def listing() -> str:
     """What ``dporl list`` prints: the pipelines, the registered algorithms and the methods, each with one line."""
@@ -428,6 +482,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
     commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
     add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
+    add_init_arguments(commands.add_parser("init", help="a starting config for a table, from its header alone"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
@@ -438,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "list":
         print(listing())
         return 0
+    if args.command == "init":
+        return init(args)
     return data(args)
 
 
