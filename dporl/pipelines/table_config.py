@@ -32,7 +32,8 @@ ROLE_NAMES: dict[str, tuple[str, ...]] = {
     "truncated": ("truncated", "timeout"),
     "propensity": ("propensity", "behaviourprob", "behaviorprob", "actionprob", "logpropensity", "logprob"),
 }
-REQUIRED = ("episode", "unit", "action", "reward")
+ACTIONS = " the action set: a count n (the column holds 0..n-1) or the list of labels"
+UNIT_CLIP = " a unit clip: the norm bound of one unit contribution, e.g. the most episodes one unit logs"
 DESCRIPTIONS = {
     "episode": "the column holding each row's episode id",
     "unit": "the column of the privacy unit (every guarantee protects all rows sharing one value of it)",
@@ -100,8 +101,7 @@ def table_config(path: str | Path) -> str:
         f"    unit: {column('unit')}",
         f"    observations: [{', '.join(_quote(n) for n in observations)}]  # every other column: check",
         f"    action: {column('action')}",
-        f"    actions: {_quote(PLACEHOLDER + ' the action set: a count n (the column holds 0..n-1) or the list of labels')}"
-        "  # PUBLIC FACT: declared, never read from the rows",
+        f"    actions: {_quote(PLACEHOLDER + ACTIONS)}  # PUBLIC FACT: declared, never read from the rows",
         f"    reward: {column('reward')}",
     ]
     for role in ("step", "terminated", "truncated", "propensity"):
@@ -118,7 +118,7 @@ def table_config(path: str | Path) -> str:
         "  offline:",
         f"    value_range: {_quote(PLACEHOLDER + ' [low, high], bounds on any policy value (discounted return)')}"
         "  # PUBLIC FACT",
-        f"    unit_clip: {_quote(PLACEHOLDER + ' a unit clip: the norm bound of one unit contribution, e.g. the most episodes one unit logs')}  # PUBLIC FACT",
+        f"    unit_clip: {_quote(PLACEHOLDER + UNIT_CLIP)}  # PUBLIC FACT",
     ]
     return "\n".join(lines) + "\n"
 

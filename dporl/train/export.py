@@ -216,7 +216,8 @@ def _with_labels(space: Optional[dict[str, Any]], labels: Optional[Sequence[Any]
     return {**space, "labels": list(labels)}
 
 
-def _with_names(space: Optional[dict[str, Any]], names: Optional[Sequence[str]], obs_dim: int) -> Optional[dict[str, Any]]:
+def _with_names(space: Optional[dict[str, Any]], names: Optional[Sequence[str]],
+                obs_dim: int) -> Optional[dict[str, Any]]:
     if names is None:
         return space
     names = check_observation_names(names, (obs_dim,), "policy.observation_names")

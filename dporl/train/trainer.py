@@ -390,7 +390,8 @@ class Trainer:
                         eval_history.append((step, metrics))
                         public.scalars(self._public(metrics), step)
                         curator.scalars(metrics, step)
-                        progress.set_postfix(progress_fields(self._public(metrics), self.ledger.budget))
+                        budget = getattr(self.ledger, "budget", None)
+                        progress.set_postfix(progress_fields(self._public(metrics), budget))
                     if step % config.checkpoint_every == 0 or budget_steps == total_budget_steps:
                         save()
                     signum = interrupt.pending()
