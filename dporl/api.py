@@ -200,8 +200,11 @@ class PrivateLearner:
 
     @property
     def policy(self) -> GreedyPolicy:
-        """The greedy policy of the current network (``.act(obs)``, ``.save(dir)``)."""
-        return GreedyPolicy.of(self.module)
+        """The greedy policy of the current network (``.act(obs)``, ``.save(dir)``), with the dataset's observation
+        names and action labels."""
+        meta = self.dataset.metadata
+        return GreedyPolicy.of(self.module).describe(observation_names=meta.observation_names,
+                                                     action_labels=meta.action_labels)
 
     def predict(self, observations: Any) -> torch.Tensor:
         """Greedy actions [B] for observations [B, observation_size] (d3rlpy's name)."""

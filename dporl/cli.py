@@ -1,22 +1,29 @@
 """The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
 
-    dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [--print-config] [key=value ...]
     dporl tune --config configs/X.yaml --space S.yaml [--resume | --overwrite] [--json] [key=value | tune.key=value ...]
     dporl sweep --config configs/sweep_X.yaml [--from-runs RUNS_CSV ...] [key=value ...]
     dporl list                                  the pipelines, algorithms and methods dporl knows
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
-    dporl data inspect FILE [--episode COL --unit COL --observations PREFIX --action COL --reward COL
+    dporl data inspect FILE [--episode COL --unit COL --observations A,B|PREFIX --action COL --reward COL
                             --actions N|LABELS ...] [--json]
     dporl data example treatment_chain OUT.csv [--units N] [--episodes-per-unit K] [--seed S]
+    dporl init table FILE.csv [--out CONFIG.yaml]
 
 ``train``: run the pipeline a YAML config names. Overrides use dotted keys (``epsilon=1 trainer.max_steps=500``);
 values are parsed as YAML; unknown keys fail. The run directory must be new or empty: ``--resume`` continues the run
 found there if its provenance (config and input hashes) equals this one's and names what differs otherwise;
 ``--overwrite`` replaces it after the new config and inputs were validated. stdout ends with the headline metrics
 and the guarantee; the full config and summaries go to the run directory (``--json`` prints the whole public
-summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
+summary instead). Share ``RUN/release/``; never share ``RUN/curator/``. ``--print-config`` prints the fully resolved
+config (defaults filled in, overrides applied, validated) as YAML and exits without running. Every key is described in
+docs/config.md (``python -m dporl.config_reference``).
+
+``init table``: a starting "train" config for a CSV / Parquet table, written from its header alone (no row is read):
+columns assigned to roles by name, every public fact the run needs (the action set, the value bounds, a unit's
+clip) and the budget as ``TODO: ...`` placeholders the loader refuses, naming the key, until they are filled in.
 
 ``sweep``: a "train" config over budgets x methods x seeds (``dporl.pipelines.sweep``); ``--from-runs`` tabulates
 earlier sweeps' runs instead of running.
@@ -25,7 +32,9 @@ earlier sweeps' runs instead of running.
 reads, the policy it releases, its Python API config) and every method (``dporl.methods``).
 
 ``evaluate``: returns of a released policy in its public simulator, from ``RUN/release/`` alone (post-processing: no
-privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
+privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook. A run evaluated without a
+simulator (``--run`` without ``--env``) shows the private offline value estimate and interval it released
+(``RUN/release/summary.json``): nothing is recomputed and nothing is spent.
 
 ``data inspect``: what a dataset file holds (episodes, units, actions, observation shape, unit column). It describes
 PRIVATE data: the output is curator-only information, never to be published. Without ``--actions`` it shows the
@@ -37,7 +46,6 @@ Every refusal (bad input, impossible budget) exits with status 2, names the fiel
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -54,12 +62,25 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_const", const="overwrite", dest="mode",
                       help="replace the run in the run directory (removed after the new config validated)")
     parser.add_argument("--json", action="store_true", help="print the whole public summary as JSON")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the fully resolved config (after overrides) as YAML and exit without running")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
 
 
 def train(args: argparse.Namespace) -> int:
     from dporl.pipelines import get_pipeline, run_cli
-    from dporl.utils.config import apply_overrides, from_dict, load_yaml
+    from dporl.utils.config import apply_overrides, dump_config, from_dict, load_yaml
+
+    if getattr(args, "print_config", False):
+        try:
+            data = apply_overrides(load_yaml(args.config), args.overrides)
+            pipeline = get_pipeline(data.get("pipeline"))
+            text = dump_config(from_dict(pipeline.config_cls, data))
+        except ValidationError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(text, end="")
+        return 0
 
     def work() -> dict:
         data = apply_overrides(load_yaml(args.config), args.overrides)
@@ -144,6 +165,10 @@ def evaluate(args: argparse.Namespace) -> int:
             return pipeline.evaluate(payload, episodes=args.episodes, seed=args.seed, out_dir=out or run_dir)
         from dporl.eval.returns import evaluate_released_policy
 
+        if args.run is not None and args.env is None:
+            released = released_offline_evaluation(Path(args.run))
+            if released is not None:
+                return released
         policy_dir = Path(args.policy) if args.policy else Path(args.run) / "release" / "policy"
         return evaluate_released_policy(
             policy_dir, episodes=args.episodes, seed=args.seed, env_id=args.env, num_envs=args.num_envs,
@@ -151,6 +176,45 @@ def evaluate(args: argparse.Namespace) -> int:
         )
 
     return run_cli(work, as_json=args.json)
+
+
+def released_offline_evaluation(run: Path) -> Optional[dict]:
+    """The offline evaluation a run without a simulator released (``RUN/release/summary.json``), as ``evaluate``
+    shows it; None for a run evaluated in a simulator (or one whose summary records no evaluation: the simulator
+    path then names what is missing). A run that released no evaluation is refused, naming how to evaluate it."""
+    from dporl.utils.io import read_json
+
+    path = run / "release" / "summary.json"
+    if not path.is_file():
+        if (run / "release").is_dir():
+            raise ValidationError("run", f"{run} has no release/summary.json: the run did not finish (resume it)")
+        return None
+    summary = read_json(path, "run.summary")
+    evaluation = summary.get("evaluation") if isinstance(summary, dict) else None
+    if not isinstance(evaluation, dict) or evaluation.get("mode") == "simulator":
+        return None
+    if evaluation.get("mode") != "offline":
+        raise ValidationError("run", f"{run} was trained without a simulator and released no offline evaluation "
+                              "(eval.enabled: false or eval.offline.estimator: none): pass --env ENV_ID to evaluate "
+                              "its policy in a simulator")
+
+    def number(key: str) -> str:
+        value = evaluation.get(key)
+        return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "none"
+
+    estimator = str(evaluation.get("estimator", "?")).upper()
+    confidence = evaluation.get("confidence")
+    level = f"{100 * confidence:g}% interval" if isinstance(confidence, (int, float)) else "interval"
+    calibrated = evaluation.get("calibrated", True) is True
+    return {
+        "run": str(run),
+        "source": "release/summary.json: the value the run released (nothing recomputed, no privacy cost)",
+        "evaluation": evaluation,
+        "privacy": summary.get("privacy"),
+        "headline": {f"policy value (DP-{estimator}, {level}, released by the run)":
+                     f"{number('value')} [{number('ci_low')}, {number('ci_high')}]"
+                     + ("" if calibrated else " (interval NOT calibrated: see the evaluation's notes)")},
+    }
 
 
 def evaluate_main(argv: Optional[list[str]] = None, prog: str = "dporl evaluate") -> int:
@@ -175,7 +239,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in TABLE_FLAGS:
         inspect.add_argument(f"--{flag.replace('_', '-')}", dest=flag, default=None,
                              help=f"table: the {flag.replace('_', ' ')} column" +
-                                  (" (or a prefix of columns)" if "observations" in flag else "") +
+                                  (" (a comma-separated list a,b,c, or a prefix of columns)" if "observations" in flag
+                                   else "") +
                                   ("; minari: the info key of the unit" if flag == "unit" else ""))
     inspect.add_argument("--actions", default=None,
                          help="table: the declared action set, a count (e.g. 3) or comma-separated labels (e.g. "
@@ -233,6 +298,9 @@ def inspect_dataset(args: argparse.Namespace) -> dict:
         dataset = TrajectoryDataset.load(args.file)
     elif kind == "table":
         mapping = {flag: getattr(args, flag) for flag in TABLE_FLAGS if getattr(args, flag) is not None}
+        for flag in ("observations", "next_observations"):  # a comma-separated list of columns, or one / a prefix
+            if flag in mapping and "," in mapping[flag]:
+                mapping[flag] = [name.strip() for name in mapping[flag].split(",") if name.strip()]
         missing = [flag for flag in ("episode", "unit", "observations", "action", "reward") if flag not in mapping]
         if missing:
             raise ValidationError(f"--{missing[0]}", "a table needs its column mapping: --episode, --unit, "
@@ -335,6 +403,40 @@ def write_example(args: argparse.Namespace) -> dict:
             "actions": "2 (0 = wait, 1 = treat): declare it (columns.actions: 2, read_table(..., actions=2))"}
 
 
+# ---------------------------------------------------------------------------------------------------- init
+def add_init_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="init_command", required=True)
+    table = commands.add_parser(
+        "table", help="a starting train config for a CSV / Parquet table, from its header alone",
+        description="Write a starting 'train' config for a table from its header alone (no row is read). Check the "
+                    "column guesses and fill in every TODO (the public facts: action set, value bounds, unit clip; "
+                    "and the budget): a run refuses a TODO, naming its key.")
+    table.add_argument("file", help="a .csv / .tsv / .parquet table")
+    table.add_argument("--out", default=None, help="the YAML file to write (default: stdout); never overwritten")
+
+
+def init(args: argparse.Namespace) -> int:
+    from dporl.pipelines.table_config import table_config
+    from dporl.utils.io import atomic_write_text
+
+    try:
+        text = table_config(args.file)
+        if args.out is not None:
+            out = Path(args.out)
+            if out.exists():
+                raise ValidationError("--out", f"{out} exists: choose another file (a config is never overwritten)")
+            atomic_write_text(out, text)
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out is None:
+        print(text, end="")
+    else:
+        print(f"wrote {args.out}: check the column guesses and fill in every TODO, then "
+              f"dporl train --config {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- list
 def listing() -> str:
     """What ``dporl list`` prints: the pipelines, the registered algorithms and the methods, each with one line."""
@@ -380,6 +482,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
     commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
     add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
+    add_init_arguments(commands.add_parser("init", help="a starting config for a table, from its header alone"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
@@ -390,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "list":
         print(listing())
         return 0
+    if args.command == "init":
+        return init(args)
     return data(args)
 
 

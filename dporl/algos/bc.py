@@ -53,7 +53,7 @@ class BCConfig(AlgorithmConfig):
     """Behaviour cloning's hyper-parameters: the ``algorithm`` section of a ``train`` config (``name: bc``)."""
 
     name: str = "bc"
-    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])  # the policy network's hidden layers (ReLU)
     label_smoothing: float = 0.0  # mass spread uniformly over the actions in the target distribution
 
     def __post_init__(self) -> None:

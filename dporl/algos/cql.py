@@ -100,11 +100,11 @@ class CQLConfig(AlgorithmConfig):
     """Discrete CQL's hyper-parameters: the ``algorithm`` section of a ``train`` config (``name: cql``)."""
 
     name: str = "cql"
-    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
-    gamma: float = 0.99
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])  # the Q-network's hidden layers (ReLU)
+    gamma: float = 0.99  # discount
     alpha: float = 1.0  # weight of the conservative term; 0 gives plain (double) DQN
-    td_loss: Literal["huber", "mse"] = "huber"
-    target: Literal["dqn", "double_dqn"] = "dqn"
+    td_loss: Literal["huber", "mse"] = "huber"  # the TD error's loss
+    target: Literal["dqn", "double_dqn"] = "dqn"  # the TD target: max of the target network, or double DQN's
     target_update_every: int = 500  # hard copy every this many steps, unless tau is set
     tau: Optional[float] = None  # Polyak averaging factor per step (soft updates)
     # Rewards are divided by this public constant before the TD target, so that Q errors sit in the Huber loss's

@@ -34,7 +34,6 @@ after its files are whole and before it is marked complete is recovered: the res
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from dporl.utils.io import read_json
 
 T_RELEASE = 5
 JOURNAL_EVERY = 20
@@ -251,13 +252,13 @@ def _check_end(trial: Trial, run_dir: Path, log: Path, code: int, out: str, err:
     trial.printed_epsilon = float(match.group(1)) if match else None
     if trial.printed_epsilon is None or trial.printed_epsilon < journal[0] * (1 - 1e-3):  # printed with 4 digits
         trial.failures.append(f"under-count: printed {trial.printed_epsilon}, the journal implies {journal[0]:.6g}")
-    summary = json.loads((run_dir / "release" / "summary.json").read_text())
+    summary = read_json(run_dir / "release" / "summary.json", "summary")
     trial.trained = int(summary["steps"])
     if trial.trained != trial.charged:
         trial.failures.append(f"paid steps lost: trained {trial.trained}, charged {trial.charged}")
     if charged.get("release") != T_RELEASE:
         trial.failures.append(f"release charged {charged.get('release')} events, not {T_RELEASE}")
-    manifest = json.loads((run_dir / "curator" / "journal.json").read_text())["completed"]["release"]
+    manifest = read_json(run_dir / "curator" / "journal.json", "journal")["completed"]["release"]
     if TrajectoryDataset.load(run_dir / "release" / "d_stable.npz").fingerprint() != manifest["d_stable"]:
         trial.failures.append("release/d_stable.npz is not the D_stable the journal fingerprinted")
     if trial.leftovers:

@@ -41,7 +41,8 @@ def pipeline_keys(config: dict[str, Any]) -> tuple[str, ...]:
     if pipeline == "train":
         keys = (f"train/{config.get('method', 'mixed')}",)
         evaluation = config.get("eval") or {}
-        if (config.get("data") or {}).get("format", "npz") != "npz" or evaluation.get("enabled") is False:
+        if evaluation.get("enabled") is not False and (
+                (config.get("data") or {}).get("format", "npz") != "npz" or evaluation.get("simulator") is False):
             # No simulator (or none used): the learned policy is evaluated privately on logged data.
             estimator = (evaluation.get("offline") or {}).get("estimator") or "auto"
             keys += (f"offline/{'fqe' if estimator == 'auto' else estimator}",)

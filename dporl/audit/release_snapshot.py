@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
+
+from dporl.utils.io import parse_json
 
 MISSING = "<absent>"
 RELEASE_DIR, CURATOR_DIR = "release", "curator"
@@ -107,7 +108,7 @@ def read_fields(path: Path) -> dict[str, Any]:
     name = path.name
     try:
         if name.endswith(".json"):
-            return flatten(json.loads(path.read_text()))
+            return flatten(parse_json(path.read_text(), "released file", str(path)))
         if name.endswith(".npz"):
             with np.load(path, allow_pickle=False) as archive:
                 return {key: archive[key] for key in archive.files}

@@ -10,8 +10,8 @@ written atomically, holding exactly these members::
 
     format_version       int64 scalar, currently 2 (readers accept 1 and 2 and refuse any other value)
     metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_experts, obs_shape,
-                         env_params, p_min, seed, expert_set, extra, unit_column, unit_keys; action_labels only
-                         when declared)
+                         env_params, p_min, seed, expert_set, extra, unit_column, unit_keys; action_labels and
+                         observation_names only when declared)
     observations         float32 [n_transitions + n_episodes, *obs_shape]
     actions              int64   [n_transitions], in [0, n_actions)
     rewards              float32 [n_transitions]
@@ -78,7 +78,7 @@ import torch
 from dporl.envs.registry import check_no_module
 from dporl.utils.archives import NpyMember, NpzArchive, check_declared
 from dporl.utils.grouping import concat_ranges, stable_group_order
-from dporl.utils.io import MAX_JSON_BYTES, atomic_write, parse_json
+from dporl.utils.io import MAX_JSON_BYTES, atomic_write, dump_json, parse_json
 from dporl.utils.validation import ValidationError, check_finite, check_int_range
 
 FORMAT_VERSION = 2
@@ -152,6 +152,21 @@ def action_set(actions: Any, field_name: str = "actions") -> tuple[int, Optional
     return len(labels), tuple(labels)
 
 
+def check_observation_names(names: Any, obs_shape: Sequence[int], field_name: str) -> tuple[str, ...]:
+    """Validated feature names of a flat observation: distinct non-empty strings, one per element of ``obs_shape``."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise ValidationError(field_name, f"expected a list of names, got {type(names).__name__}")
+    names = list(names)
+    size = math.prod(int(d) for d in obs_shape)
+    if len(obs_shape) != 1 or len(names) != size:
+        raise ValidationError(field_name, f"{len(names)} name(s) for observations of shape {tuple(obs_shape)}")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValidationError(field_name, "expected non-empty strings")
+    if len(set(names)) != len(names):
+        raise ValidationError(field_name, "names must be distinct")
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class DatasetMetadata:
     """What a dataset needs to be interpreted: where it was logged, by how many experts, under which p_min."""
@@ -171,6 +186,9 @@ class DatasetMetadata:
     unit_keys: Optional[tuple[str, ...]] = None
     # The declared labels of the actions (label i is action i); None: the actions are the integers 0..n_actions-1.
     action_labels: Optional[tuple[ActionLabel, ...]] = None
+    # The names of the observation's features (a table's observation columns, in order); None: unnamed. Public: they
+    # are the user's column mapping (or the table's header), never values, and they reach the released policy.
+    observation_names: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.env_id, str) or not self.env_id:
@@ -228,6 +246,9 @@ class DatasetMetadata:
             if n != self.n_actions:
                 raise ValidationError("metadata.action_labels", f"{n} labels for n_actions = {self.n_actions}")
             object.__setattr__(self, "action_labels", labels)
+        if self.observation_names is not None:
+            object.__setattr__(self, "observation_names",
+                               check_observation_names(self.observation_names, self.obs_shape, "metadata.observation_names"))
 
     @property
     def n_units(self) -> int:
@@ -242,10 +263,11 @@ class DatasetMetadata:
         payload = asdict(self)
         payload["obs_shape"] = list(self.obs_shape)
         payload["unit_keys"] = None if self.unit_keys is None else list(self.unit_keys)
-        if self.action_labels is None:  # absent rather than null: files and fingerprints without labels are unchanged
-            del payload["action_labels"]
-        else:
-            payload["action_labels"] = list(self.action_labels)
+        for name in ("action_labels", "observation_names"):
+            if getattr(self, name) is None:  # absent rather than null: files and fingerprints without them are unchanged
+                del payload[name]
+            else:
+                payload[name] = list(getattr(self, name))
         return payload
 
     @classmethod
@@ -920,7 +942,7 @@ class TrajectoryDataset:
         cached = self.__dict__.get("_fingerprint")
         if cached is not None:  # the arrays are read-only views: the content cannot have changed
             return cached
-        digest = hashlib.sha256(json.dumps(self.metadata.to_dict(), sort_keys=True).encode())
+        digest = hashlib.sha256(dump_json(self.metadata.to_dict(), sort_keys=True).encode())
         for name in _ARRAY_DTYPES:
             array = getattr(self, name)
             digest.update(name.encode())
@@ -943,7 +965,7 @@ class TrajectoryDataset:
             del arrays["behavior_log_probs"]
         payload = {
             "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
-            "metadata": np.array(json.dumps(self.metadata.to_dict(), sort_keys=True)),
+            "metadata": np.array(dump_json(self.metadata.to_dict(), sort_keys=True)),
             **arrays,
         }
 

@@ -23,7 +23,6 @@ failed export leaves nothing behind and readers never see a half-written dataset
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -35,7 +34,7 @@ from tqdm import tqdm
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 from dporl.envs.registry import check_no_module
-from dporl.utils.io import parse_json, read_json
+from dporl.utils.io import dump_json, parse_json, read_json
 from dporl.utils.validation import ValidationError
 
 try:
@@ -147,7 +146,7 @@ def export_minari(
             for start in range(_WRITE_CHUNK, len(buffers), _WRITE_CHUNK):
                 written.storage.update_episodes(buffers[start : start + _WRITE_CHUNK])
                 bar.update(len(buffers[start : start + _WRITE_CHUNK]))
-            written.storage.update_metadata({DPORL_METADATA_KEY: json.dumps(meta.to_dict(), sort_keys=True)})
+            written.storage.update_metadata({DPORL_METADATA_KEY: dump_json(meta.to_dict(), sort_keys=True)})
         if namespace is not None:
             with _minari_root(final_root):
                 from minari.namespace import create_namespace, list_local_namespaces

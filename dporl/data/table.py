@@ -10,7 +10,9 @@ next-state columns and the behaviour policy's propensity of the logged action::
 
 The action set is declared, never read from the rows: ``actions`` is a count n (the column holds the integers
 0..n-1) or a list of labels (the column holds those labels, strings or integers; label i becomes action index i,
-and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). A set inferred
+and the labels are kept in ``metadata.action_labels`` and in every released policy's action space). The observation
+columns' names are kept the same way (``metadata.observation_names``, the released policy's observation space), so a
+released policy acts on ``{column: value}`` and answers with a label (``dporl.train.export.GreedyPolicy.act``). A set inferred
 from the rows (the largest logged action + 1) would be private: one unit who once logged a rare action changes it,
 and with it the shape of every released network. Inferring the logged actions is a curator's inspection
 (``logged_action_values``, ``dporl data inspect``), never an input of a run.
@@ -190,8 +192,8 @@ def _csv_header(path: Path, delimiter: str) -> list[str]:
 
     opener = gzip.open if path.suffix.lower() == ".gz" else open
     try:
-        with opener(path, "rt", newline="") as handle:
-            line = handle.readline(CSV_BLOCK_BYTES + 1)  # bounded: never a whole file without newlines in memory
+        with opener(path, "rb") as handle:  # bytes up to the first newline, decoded alone: no row is decoded
+            line = handle.readline(CSV_BLOCK_BYTES + 1).decode("utf-8")  # bounded: never a whole file in memory
         if len(line) > CSV_BLOCK_BYTES:
             raise ValidationError("source", f"{path} has a header row longer than {CSV_BLOCK_BYTES >> 20} MiB: refused")
         header = next(csv.reader([line], delimiter=delimiter), None)
@@ -263,6 +265,24 @@ def _check_parquet_sizes(path: Path, names: Sequence[str]) -> None:
     if total > budget:
         raise ValidationError("source", f"{path} declares {rows} rows: its {len(names)} columns would take {total} "
                               f"bytes, more than the {budget} this machine may load (half its memory)")
+
+
+def table_header(source: str | os.PathLike) -> list[str]:
+    """The column names of a CSV / TSV (its first line, bounded) or Parquet file (its schema): never a row."""
+    path = Path(source)
+    if not path.is_file():
+        raise ValidationError("source", f"no file at {path}")
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            return [str(name) for name in pq.read_schema(path).names]
+        except Exception as exc:
+            raise ValidationError("source", f"{path} is not a readable Parquet file ({exc})") from None
+    if suffix in (".csv", ".tsv", ".txt", ".gz"):
+        return _csv_header(path, "\t" if ".tsv" in path.suffixes else ",")
+    raise ValidationError("source", f"unknown table format {path.suffix!r}: use .csv, .tsv or .parquet")
 
 
 def _resolve(table: _Table, spec: Columns, field_name: str) -> list[str]:
@@ -612,6 +632,7 @@ def read_table(
         unit_column=unit,
         unit_keys=tuple(unit_keys),
         action_labels=action_labels,
+        observation_names=tuple(obs_names),  # the column mapping (or the header's names): public, never values
     )
     return TrajectoryDataset(
         observations=obs,
@@ -752,5 +773,5 @@ def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
     return dataset.replace(expert_ids=ids, metadata=DatasetMetadata.from_dict(meta))
 
 
-__all__ = ["DEFAULT_ENV_ID", "import_summary", "logged_action_values", "read_minari", "read_table", "to_frame",
-           "with_unit"]
+__all__ = ["DEFAULT_ENV_ID", "import_summary", "logged_action_values", "read_minari", "read_table", "table_header",
+           "to_frame", "with_unit"]

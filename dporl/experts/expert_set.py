@@ -38,7 +38,7 @@ from torch import nn
 
 from dporl.experts.policies import FAMILIES, ExpertIndex, StackedPolicy
 from dporl.envs.registry import check_no_module
-from dporl.utils.io import atomic_torch_save, load_weights, parse_json
+from dporl.utils.io import atomic_torch_save, dump_json, load_weights, parse_json
 from dporl.utils.validation import ValidationError, check_shape
 
 Softening = Literal["argmax", "none"]
@@ -149,7 +149,7 @@ class ExpertSet(nn.Module):
         payload = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
-            "config_json": json.dumps(config, sort_keys=True),
+            "config_json": dump_json(config, sort_keys=True),
             "state_dict": {k: v.detach().cpu().contiguous() for k, v in self.policy.state_dict().items()},
         }
         atomic_torch_save(path, payload)
@@ -184,7 +184,7 @@ class ExpertSet(nn.Module):
     def fingerprint(self) -> str:
         """sha256 over the family config, p_min, softening and every parameter's bytes (identifies the experts)."""
         digest = hashlib.sha256()
-        digest.update(json.dumps([self.policy.family, self.policy.config(), self.p_min, self.softening]).encode())
+        digest.update(dump_json([self.policy.family, self.policy.config(), self.p_min, self.softening]).encode())
         for name, tensor in sorted(self.policy.state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
@@ -290,9 +290,9 @@ def check_p_min(p_min: float | None, n_actions: int, softening: str) -> float | 
 
 def _check_json_safe(field: str, value: Any) -> None:
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValidationError(field, f"must be JSON-serialisable: {exc}") from None
+        raise ValidationError(field, f"must be JSON-serialisable with finite numbers: {exc}") from None
 
 
 def _read_config(payload: dict, path: Path) -> dict:

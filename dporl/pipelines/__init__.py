@@ -12,12 +12,11 @@ command line imports only what it runs and no second list can disagree with it.
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dporl.utils.io import CURATOR_LABEL, curator_note  # noqa: F401  (re-exported for the pipelines)
+from dporl.utils.io import CURATOR_LABEL, curator_note, dump_json  # noqa: F401  (re-exported for the pipelines)
 from dporl.utils.validation import ValidationError
 
 
@@ -82,7 +81,7 @@ def run_cli(work: Callable[[], Any], as_json: bool = False, resume_command: Opti
         if stopped.detail:
             print(f"  ({stopped.detail})", file=sys.stderr)
         return stopped.exit_code
-    print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
+    print(dump_json(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0
 
 

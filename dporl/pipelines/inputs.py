@@ -40,20 +40,20 @@ IMPORTED_FILE = "dataset.npz"  # imported data, under RUN/curator/data
 class TableColumns:
     """``read_table``'s column mapping (see ``dporl.data.table``): which column holds what."""
 
-    episode: str
+    episode: str  # the episode id column (rows of one episode in order)
     unit: str  # the privacy unit: every guarantee protects all rows sharing one value of this column
     observations: Union[str, list[str]]  # column names, or one name / a prefix of columns
-    action: str
-    reward: str
+    action: str  # the logged action column (integers 0..n-1, or the declared labels)
+    reward: str  # the reward column
     # The declared action set (public, required): a count n (the column holds 0..n-1) or a list of labels (label i is
     # action i). Never inferred from the rows: one unit's rare action would change it.
     actions: Optional[Union[int, list[Union[int, str]]]] = None
-    step: Optional[str] = None
-    terminated: Optional[str] = None
-    truncated: Optional[str] = None
-    next_observations: Optional[Union[str, list[str]]] = None
+    step: Optional[str] = None  # the step index column (consecutive integers within an episode)
+    terminated: Optional[str] = None  # the flag of an episode's terminal last row
+    truncated: Optional[str] = None  # the flag of an episode's truncated last row (a next state follows)
+    next_observations: Optional[Union[str, list[str]]] = None  # next-state columns (or a prefix), as observations
     propensity: Optional[str] = None  # the behaviour policy's probability of the logged action (or its log)
-    propensity_kind: Literal["prob", "log_prob"] = "prob"
+    propensity_kind: Literal["prob", "log_prob"] = "prob"  # whether propensity holds a probability or its log
     env_id: Optional[str] = None  # the simulator's Gymnasium id, if one exists
 
 
@@ -67,11 +67,11 @@ class ExampleTable:
     """A generated example table with a known policy value: the treatment chain (``dporl.eval.ope_coverage``),
     clinicians as units, each treating with its own probability (logged as the propensity)."""
 
-    problem: Literal["treatment_chain"] = "treatment_chain"
-    units: int = 4000
-    episodes_per_unit: int = 4
-    behaviour_low: float = 0.2
-    behaviour_high: float = 0.8
+    problem: Literal["treatment_chain"] = "treatment_chain"  # the example problem
+    units: int = 4000  # clinicians (the privacy units)
+    episodes_per_unit: int = 4  # stays logged by each clinician
+    behaviour_low: float = 0.2  # each clinician treats with a probability drawn from [behaviour_low, behaviour_high]
+    behaviour_high: float = 0.8  # see behaviour_low
     seed: int = 0  # public randomness: the example stands in for someone's logged data
 
     def __post_init__(self) -> None:
@@ -106,7 +106,7 @@ def example_columns() -> TableColumns:
 class DataConfig:
     """Where the logged data come from (module docstring)."""
 
-    format: DataFormat = "npz"
+    format: DataFormat = "npz"  # npz (a saved dataset), table (CSV / Parquet), minari, memory (the Python API)
     path: Optional[str] = None  # npz file, CSV / Parquet table, or Minari dataset id
     dataset: Optional[str] = None  # format npz: the same as path (older configs)
     expert_set: Optional[str] = None  # format npz: the ExpertSet that logged the data

@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from dporl.utils.io import dump_json
 
 
 def run(config_path: str, overrides: list[str], runs: int, out: Path, progress: bool = True) -> dict:
@@ -104,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     args = parser.parse_args(argv)
     result = run(args.config, args.overrides, args.runs, Path(args.out))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1, default=str))
+    print(dump_json({k: v for k, v in result.items() if k != "rows"}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Private offline evaluation of a learned policy on logged data: the evaluation of a run without a simulator.
 
-A training pipeline that cannot (or is told not to: ``eval.enabled: false``) evaluate in a simulator evaluates the
+A training pipeline that cannot (or is told not to: ``eval.simulator: false``) evaluate in a simulator evaluates the
 policy it learned on logged data instead, privately (``dporl.eval.private_ope``), in the run's ledger:
 
 - ``holdout > 0`` (the default): ONE ``UnitPartition`` (a keyed hash of each unit's own id with the public

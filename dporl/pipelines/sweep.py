@@ -219,8 +219,9 @@ def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipe
         value = math.nan if value is None else float(value)
         measured = {"return": value, "final_return": value}
     else:
-        measured = {"return": summary["return_mean_last_evals"],
+        measured = {"return": summary["return_mean_last_evals"],  # null in a summary read back: none measured
                     "final_return": summary["final_metrics"].get("eval/return_mean", math.nan)}
+        measured = {key: math.nan if value is None else value for key, value in measured.items()}
     row.update(
         {
             **measured,

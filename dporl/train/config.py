@@ -11,13 +11,15 @@ from dporl.utils.validation import ValidationError, check_positive, check_probab
 
 @dataclass
 class OptimizerConfig:
+    """The optimizer of the training steps (privatised gradients go through it unchanged)."""
+
     name: Literal["adam", "sgd", "rmsprop"] = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.0
+    lr: float = 1e-3  # learning rate
+    weight_decay: float = 0.0  # L2 penalty (the optimizer's own)
+    momentum: float = 0.0  # sgd / rmsprop momentum
     # "inverse_time": lr_i = lr / (i + time_offset), i = 1, 2, ... (GPOPE's Theorem-3 schedule is lr = eta / lambda_min)
     schedule: Literal["constant", "inverse_time"] = "constant"
-    time_offset: float = 0.0
+    time_offset: float = 0.0  # "inverse_time": the offset of the step index
 
     def __post_init__(self) -> None:
         check_positive("optimizer.lr", self.lr)
@@ -59,15 +61,17 @@ class DPConfig:
 
 @dataclass
 class TrainerConfig:
+    """The training loop: its length, logging, evaluation and checkpoint cadence, device and optimizer."""
+
     max_steps: Optional[int] = 10_000  # cap on optimizer steps; a private run also stops at its budget
-    seed: int = 0
-    log_every: int = 100
-    eval_every: int = 1_000
-    checkpoint_every: int = 1_000
+    seed: int = 0  # public seed of the network's initialisation and of non-private sampling
+    log_every: int = 100  # steps between scalar logs (TensorBoard)
+    eval_every: int = 1_000  # steps between evaluations in the simulator (and privacy scalars)
+    checkpoint_every: int = 1_000  # steps between checkpoints (RUN/curator/checkpoints; a resume starts there)
     # Steps are authorised in blocks of this size in a write-ahead journal, so a crash can never under-count.
     journal_every: int = 50
-    device: str = "cpu"
-    progress: bool = True
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto
+    progress: bool = True  # a progress bar on stderr (steps, eps spent / budget)
     # Raw losses / gradient norms / step timings of private batches, in RUN/curator/tensorboard only: computed
     # without noise, NOT covered by the guarantee, never in release/. Off unless asked for.
     curator_diagnostics: bool = False

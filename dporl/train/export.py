@@ -3,8 +3,9 @@
 A policy directory (``RUN/release/policy/``) holds exactly what the guarantee covers of a trained model::
 
     weights.pt              the network's plain state_dict: ``torch.load(path, weights_only=True)``
-    policy.json             format, kind, architecture, observation / action spaces, environment id, the guarantee,
-                            and the sha256 of both weight files
+    policy.json             format, kind, architecture, observation / action spaces (with the observation's feature
+                            names and the actions' labels where declared), environment id, the guarantee, and the
+                            sha256 of both weight files
     policy.torchscript.pt   ``torch.jit.load(path)(obs)`` -> greedy actions (``.scores(obs)``: the network's outputs)
 
 No optimizer state, no generator state, no noise seed, no private count: a policy file is a function of the final
@@ -13,7 +14,9 @@ iterate only. ``save_policy(module, directory, ...)`` writes it (atomically, fil
 allocates anything, the recorded hashes, that its kind is one a registered algorithm releases
 (``dporl.algos.registry``), and that its environment id names no module (``dporl.envs.registry``). ``GreedyPolicy``
 is a plain ``nn.Module`` with ``act(obs)``: the argmax of an MLP's outputs (Q-values for CQL's kind, logits for
-behaviour cloning's).
+behaviour cloning's). A policy trained on a table keeps the table's public vocabulary: its observation columns' names
+and its declared action labels (``observation_space.names``, ``action_space.labels``), so
+``policy.act({"age": 61, "bp": 128})`` answers with a label (module docstring of ``dporl.data.table``).
 
 TorchScript is what the issue asked for and runs in C++ (libtorch) too; torch 2.13 marks ``torch.jit`` deprecated
 in favour of ``torch.export``, so the state_dict + JSON pair is the format dporl itself reads and the one to rely
@@ -27,12 +30,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from dporl.algos.base import ContractError, declaration_of
 from dporl.algos.networks import check_mlp_sizes, mlp
 from dporl.algos.registry import policy_kinds
+from dporl.data.dataset import action_set, check_observation_names
 from dporl.envs.registry import check_no_module
 from dporl.utils.io import atomic_torch_save, atomic_write, atomic_write_json, load_weights, read_json, sha256_file
 from dporl.utils.validation import ValidationError
@@ -59,13 +64,30 @@ class GreedyPolicy(nn.Module):
     "greedy_q_mlp", action logits for "greedy_logits_mlp"); the action rule is the same argmax."""
 
     def __init__(self, obs_dim: int, hidden_sizes: list[int], n_actions: int, spec: Optional[Mapping[str, Any]] = None,
-                 kind: str = GENERIC_KIND):
+                 kind: str = GENERIC_KIND, *, observation_names: Optional[Sequence[str]] = None,
+                 action_labels: Optional[Sequence[Any]] = None):
         super().__init__()
         obs_dim, hidden_sizes, n_actions = check_mlp_sizes("policy.architecture", obs_dim, list(hidden_sizes), n_actions)
         self.obs_dim, self.hidden_sizes, self.n_actions = obs_dim, hidden_sizes, n_actions
         self.kind = kind
         self.network = mlp(obs_dim, hidden_sizes, n_actions)
         self.spec: dict[str, Any] = dict(spec or {})  # policy.json when loaded (spaces, env id, guarantee)
+        self.observation_names: Optional[tuple[str, ...]] = None
+        self.action_labels: Optional[tuple[Any, ...]] = None
+        self.describe(observation_names=observation_names, action_labels=action_labels)
+
+    def describe(self, *, observation_names: Optional[Sequence[str]] = None,
+                 action_labels: Optional[Sequence[Any]] = None) -> "GreedyPolicy":
+        """Name the observation's features and label the actions (public declarations; validated); returns self."""
+        if observation_names is not None:
+            self.observation_names = check_observation_names(observation_names, (self.obs_dim,),
+                                                             "policy.observation_names")
+        if action_labels is not None:
+            n, labels = action_set(list(action_labels), "policy.action_labels")
+            if n != self.n_actions:
+                raise ValidationError("policy.action_labels", f"{n} labels for {self.n_actions} actions")
+            self.action_labels = labels  # None when the labels are 0..n-1
+        return self
 
     @classmethod
     def from_network(cls, network: nn.Module, kind: str = GENERIC_KIND) -> "GreedyPolicy":
@@ -92,10 +114,63 @@ class GreedyPolicy(nn.Module):
         return self.network(obs)
 
     @torch.no_grad()
-    def act(self, obs: torch.Tensor) -> torch.Tensor:
-        """Greedy actions [B] (LongTensor) for observations [B, obs_dim]."""
-        obs = torch.as_tensor(obs, dtype=torch.float32, device=next(self.parameters()).device)
-        return self.network(obs).argmax(dim=-1)
+    def act(self, obs: Any, labels: Optional[bool] = None) -> Any:
+        """Greedy actions for observations ``obs``.
+
+        ``obs``: a tensor or array [B, obs_dim] (or one observation [obs_dim]); or, for a policy whose observation
+        features are named, a mapping ``{name: value}`` (one observation) or ``{name: values}`` / a DataFrame (a
+        batch), every name given exactly once. ``labels``: answer with the declared action labels (the action index
+        where none were declared): one label for one observation, a list for a batch. By default a mapping is
+        answered with labels and a tensor or array with the LongTensor of action indices (what the TorchScript file
+        computes).
+        """
+        named = isinstance(obs, Mapping) or hasattr(obs, "columns")
+        if named:
+            obs = self.observation_array(obs)
+        x = torch.as_tensor(np.asarray(obs) if isinstance(obs, (list, tuple)) else obs, dtype=torch.float32,
+                            device=next(self.parameters()).device)
+        if x.shape[-1:] != (self.obs_dim,) or x.dim() > 2:
+            raise ValidationError("obs", f"expected observations [B, {self.obs_dim}] or [{self.obs_dim}], got shape "
+                                  f"{tuple(x.shape)}")
+        actions = self.network(x).argmax(dim=-1)
+        if not (named if labels is None else labels):
+            return actions
+        return self.label(actions)
+
+    def label(self, actions: Any) -> Any:
+        """The declared label of an action index (a list for a batch of indices; the index where no labels)."""
+        indices = torch.as_tensor(actions).cpu()
+        flat = [int(i) for i in indices.reshape(-1).tolist()]
+        if any(not 0 <= i < self.n_actions for i in flat):
+            raise ValidationError("actions", f"action indices must lie in [0, {self.n_actions})")
+        named = flat if self.action_labels is None else [self.action_labels[i] for i in flat]
+        return named[0] if indices.dim() == 0 else named
+
+    def observation_array(self, obs: Any) -> np.ndarray:
+        """[obs_dim] or [B, obs_dim] float32 from ``{name: value(s)}`` or a DataFrame, in the declared order."""
+        if self.observation_names is None:
+            raise ValidationError("obs", "this policy's observation features are unnamed: pass an array "
+                                  f"[B, {self.obs_dim}]")
+        given = [str(key) for key in (obs.columns if hasattr(obs, "columns") else obs.keys())]
+        unknown = [key for key in given if key not in self.observation_names]
+        if unknown:
+            raise ValidationError(f"obs.{unknown[0]}", f"not an observation of this policy (its observations: "
+                                  f"{', '.join(self.observation_names)})")
+        missing = [name for name in self.observation_names if name not in given]
+        if missing:
+            raise ValidationError(f"obs.{missing[0]}", "missing (every observation column is needed)")
+        columns = []
+        for name in self.observation_names:
+            try:
+                column = np.asarray(obs[name], dtype=np.float32)
+            except (TypeError, ValueError):
+                raise ValidationError(f"obs.{name}", "expected a number or a list of numbers") from None
+            if column.ndim > 1 or not np.all(np.isfinite(column)):
+                raise ValidationError(f"obs.{name}", "expected a finite number or a flat list of finite numbers")
+            columns.append(column)
+        if len({column.shape for column in columns}) != 1:
+            raise ValidationError("obs", "every observation column needs the same number of values")
+        return np.stack(columns, axis=-1)
 
     def architecture(self) -> dict[str, Any]:
         return {"obs_dim": self.obs_dim, "hidden_sizes": list(self.hidden_sizes), "n_actions": self.n_actions,
@@ -141,6 +216,16 @@ def _with_labels(space: Optional[dict[str, Any]], labels: Optional[Sequence[Any]
     return {**space, "labels": list(labels)}
 
 
+def _with_names(space: Optional[dict[str, Any]], names: Optional[Sequence[str]],
+                obs_dim: int) -> Optional[dict[str, Any]]:
+    if names is None:
+        return space
+    names = check_observation_names(names, (obs_dim,), "policy.observation_names")
+    if space is not None and (space.get("type") != "Box" or space.get("shape") != [obs_dim]):
+        raise ValidationError("policy.observation_names", f"{len(names)} names for observation space {space!r}")
+    return {**(space or {"type": "Box", "shape": [obs_dim]}), "names": list(names)}
+
+
 def save_policy(
     module: nn.Module,
     directory: str | Path,
@@ -151,15 +236,18 @@ def save_policy(
     privacy: Optional[Mapping[str, Any]] = None,
     extra: Optional[Mapping[str, Any]] = None,
     action_labels: Optional[Sequence[Any]] = None,
+    observation_names: Optional[Sequence[str]] = None,
 ) -> Path:
     """Write ``module`` (a ``GreedyPolicy``, or a ``PrivateAlgorithm`` declaring a policy kind) as a policy directory.
 
     ``privacy``: what the guarantee says (``PrivacyReport.to_dict()`` or a subset). ``action_labels``: the declared
-    label of each action index (public), recorded in the action space. ``policy.json`` is written last: a directory
-    without it is incomplete.
+    label of each action index (public), recorded in the action space; ``observation_names``: the observation
+    features' names (public: a table's observation columns), recorded in the observation space. Both default to the
+    policy's own. ``policy.json`` is written last: a directory without it is incomplete.
     """
     policy = module if isinstance(module, GreedyPolicy) else GreedyPolicy.of(module)
     policy = copy.deepcopy(policy).cpu().eval()
+    policy.describe(observation_names=observation_names, action_labels=action_labels)
     directory = Path(directory)
     weights = {k: v.detach().contiguous() for k, v in policy.network.state_dict().items()}
     atomic_torch_save(directory / WEIGHTS_FILE, weights)
@@ -172,14 +260,17 @@ def save_policy(
                 torch.jit.save(scripted, handle)
 
         atomic_write(directory / TORCHSCRIPT_FILE, save)
+    action_space_dict = space_to_dict(action_space)
+    if action_space_dict is None and policy.action_labels is not None:
+        action_space_dict = {"type": "Discrete", "n": policy.n_actions}
     spec = {
         "format": POLICY_FORMAT,
         "version": POLICY_VERSION,
         "kind": policy.kind,
         "architecture": policy.architecture(),
         "env_id": env_id,
-        "observation_space": space_to_dict(observation_space),
-        "action_space": _with_labels(space_to_dict(action_space), action_labels),
+        "observation_space": _with_names(space_to_dict(observation_space), policy.observation_names, policy.obs_dim),
+        "action_space": _with_labels(action_space_dict, policy.action_labels),
         "privacy": dict(privacy) if privacy is not None else None,
         "files": {"weights": WEIGHTS_FILE, "torchscript": TORCHSCRIPT_FILE},
         "sha256": {name: sha256_file(directory / name) for name in (WEIGHTS_FILE, TORCHSCRIPT_FILE)},
@@ -209,6 +300,16 @@ def load_policy(directory: str | Path, map_location: str | torch.device = "cpu")
         raise ValidationError("policy.architecture", f"expected an MLP description, got {architecture!r}")
     policy = GreedyPolicy(architecture.get("obs_dim"), architecture.get("hidden_sizes"), architecture.get("n_actions"),
                           spec, kind=spec["kind"])
+    for space_key, entry, field_name in (("observation_space", "names", "observation_names"),
+                                         ("action_space", "labels", "action_labels")):
+        space = spec.get(space_key)
+        if space is not None and not isinstance(space, dict):
+            raise ValidationError(f"policy.{space_key}", f"expected a JSON object or null, got {space!r}")
+        if space is not None and space.get(entry) is not None:
+            try:
+                policy.describe(**{field_name: space[entry]})
+            except ValidationError as exc:
+                raise ValidationError(f"policy.{space_key}.{entry}", str(exc)[len(exc.field) + 2:]) from None
     path = directory / WEIGHTS_FILE
     recorded = (spec.get("sha256") or {}).get(WEIGHTS_FILE)
     if recorded is not None and path.is_file() and sha256_file(path) != recorded:

@@ -11,13 +11,12 @@ manifests keep. ``read_journal`` loads the ledger a journal file records.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.train.provenance import canonical_json
-from dporl.utils.io import _json_default, read_json
+from dporl.utils.io import json_ready, read_json
 from dporl.utils.validation import ValidationError
 
 PROVENANCE_FORMAT = "dporl-run"
@@ -28,7 +27,7 @@ GENESIS = "0" * 64  # the "previous hash" of a journal's first record
 
 def plain(value: Any) -> Any:
     """``value`` as the JSON data a reader will load (numpy scalars, paths and tuples made plain)."""
-    return json.loads(json.dumps(value, default=_json_default, allow_nan=True))
+    return json_ready(value)
 
 
 def record_hash(prev: str, body: Mapping[str, Any]) -> str:

@@ -5,9 +5,10 @@ reuse a run directory of another configuration, naming them)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from typing import Any, Mapping
+
+from dporl.utils.io import dump_json, json_ready
 
 # Config keys (at any depth) that do not change what a run computes: where it is written, progress display.
 IGNORED_KEYS = frozenset({"run_dir", "out_dir", "progress", "resume"})
@@ -23,11 +24,11 @@ def canonical_config(config: Mapping[str, Any]) -> dict[str, Any]:
             return [strip(v) for v in value]
         return value
 
-    return json.loads(json.dumps(strip(dict(config)), default=str))
+    return json_ready(strip(dict(config)), default=str)
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return dump_json(value, sort_keys=True, separators=(",", ":"))
 
 
 def config_sha256(config: Mapping[str, Any]) -> str:

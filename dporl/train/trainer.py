@@ -324,8 +324,8 @@ class Trainer:
                         eval_history.append((step, metrics))
                         public.scalars(self._public(metrics), step)
                         curator.scalars(metrics, step)
-                        progress.set_postfix({k.split("/")[-1]: f"{v:.3g}"
-                                              for k, v in list(self._public(metrics).items())[:3]})
+                        budget = getattr(self.ledger, "budget", None)
+                        progress.set_postfix(progress_fields(self._public(metrics), budget))
                     if step % config.checkpoint_every == 0 or budget_steps == total_budget_steps:
                         save()
                     signum = interrupt.pending()
@@ -483,6 +483,17 @@ def _check_same_unit(algorithm: PrivateAlgorithm, source: Any) -> None:
             f"the algorithm declares unit {declared} ({declared.meaning}) but the batch source groups rows by "
             f"{grouped} ({grouped.meaning}); build the algorithm with the data's unit",
         )
+
+
+def progress_fields(metrics: dict[str, float], budget: Optional[tuple[float, float]]) -> dict[str, str]:
+    """The progress bar's postfix: ``eps`` = the run's guarantee so far / its budget's epsilon (every stage; public:
+    a function of the steps taken), then up to three other public metrics."""
+    fields = {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items() if not k.startswith("privacy/")}
+    fields = dict(list(fields.items())[:3])
+    epsilon = metrics.get("privacy/epsilon")
+    if epsilon is not None:
+        return {"eps": f"{epsilon:.3g}/{budget[0]:g}" if budget is not None else f"{epsilon:.3g}", **fields}
+    return fields
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str = "train"):

@@ -1,7 +1,8 @@
 """Typed dataclass configs: build from YAML/dicts with type checks, apply ``key=value`` CLI overrides.
 
 Unknown keys are errors (a typo in a privacy budget must not silently fall back to a default), and every
-error names the dotted field path.
+error names the dotted field path. A value that is still a placeholder (a string starting ``TODO:``, what
+``dporl init`` writes for a fact only the user can declare) is refused, naming its key.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import yaml
 from dporl.utils.validation import ValidationError
 
 T = TypeVar("T")
+PLACEHOLDER = "TODO:"  # a value the user must still fill in (``dporl init`` writes them)
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
@@ -60,6 +62,8 @@ def _plain(value: Any) -> Any:
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if isinstance(value, str) and value.startswith(PLACEHOLDER):
+        raise ValidationError(path, f"still a placeholder ({value!r}): declare the value before running")
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:

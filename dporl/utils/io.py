@@ -10,6 +10,11 @@ Reading never runs code from a file and bounds what it allocates: torch files ar
 member by member with ``allow_pickle=False`` after their headers were checked. ``load_weights`` is the one torch
 reader and names the field a bad file belongs to.
 ``curator_note`` is where a description of private data goes: stderr, labelled, never stdout.
+
+JSON is strict both ways (RFC 8259): every JSON text dporl writes goes through ``dump_json``, which writes a
+non-finite number (NaN, an infinity: an estimate that failed, a bound that does not exist) as ``null`` and never the
+``NaN`` / ``Infinity`` tokens Python's ``json`` emits by default and other readers refuse; every JSON text dporl reads
+goes through ``parse_json``, which refuses those tokens by name.
 """
 
 from __future__ import annotations
@@ -107,7 +112,45 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def atomic_write_json(path: str | os.PathLike, payload: Any) -> Path:
-    return atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True, default=_json_default) + "\n")
+    return atomic_write_text(path, dump_json(payload, indent=2, sort_keys=True) + "\n")
+
+
+def json_ready(value: Any, default: Optional[Callable[[Any], Any]] = None) -> Any:
+    """``value`` as plain JSON data: dicts (string keys), lists, strings, booleans, None, ints and finite floats.
+
+    A non-finite float (NaN, +-inf; numpy's too) becomes None, numpy scalars and arrays plain numbers and lists, a
+    ``Path`` its text; any other object goes through ``default`` (e.g. ``str``), else is a TypeError.
+    """
+    import math
+
+    import numpy as np
+
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, dict):
+        return {(k if isinstance(k, str) else json.dumps(json_ready(k, default))): json_ready(v, default)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v, default) for v in value]
+    if isinstance(value, np.ndarray):
+        return json_ready(value.tolist(), default)
+    if isinstance(value, Path):
+        return str(value)
+    if default is not None:
+        return json_ready(default(value))
+    raise TypeError(f"cannot serialise {type(value).__name__} to JSON")
+
+
+def dump_json(value: Any, *, default: Optional[Callable[[Any], Any]] = None, **options: Any) -> str:
+    """Strict JSON text of ``value`` (``json_ready``: non-finite numbers as ``null``); ``options`` go to
+    ``json.dumps`` (indent, sort_keys, separators)."""
+    return json.dumps(json_ready(value, default), allow_nan=False, **options)
 
 
 def atomic_torch_save(path: str | os.PathLike, obj: Any) -> Path:
@@ -184,8 +227,13 @@ def parse_json(text: str, field: str, where: str = "", max_depth: int = MAX_JSON
     depth = json_depth(text)
     if depth > max_depth:
         raise ValidationError(field, f"{where}nests JSON {depth} levels deep (at most {max_depth} are read)")
+    def refuse(token: str) -> Any:
+        raise ValidationError(field, f"{where}holds {token}, which is not JSON (a missing number is null)")
+
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=refuse)
+    except ValidationError:
+        raise
     except (ValueError, RecursionError) as exc:
         raise ValidationError(field, f"{where}is not valid JSON ({type(exc).__name__}: {exc})") from None
 
@@ -216,15 +264,3 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _json_default(value: Any) -> Any:
-    import numpy as np
-
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"cannot serialise {type(value).__name__} to JSON")

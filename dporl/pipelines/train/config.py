@@ -39,6 +39,8 @@ class PrivateTrainingConfig:
     # (and the release) with training, and the report's joint PLD is tighter than RDP or PRV, so a stage calibrated
     # by either of those would leave part of the budget unused (measured: 0.91 of 1.0 on the table quickstart).
     accountant: Literal["rdp", "prv", "pld"] = "pld"
+    # How per-unit gradients are clipped (the same clipped sum, different memory and speed; naive: one backward pass
+    # per unit, the reference).
     clipping: Literal["bookkeeping", "ghost", "opacus", "naive"] = "bookkeeping"
 
     def __post_init__(self) -> None:
@@ -52,14 +54,19 @@ class PrivateTrainingConfig:
 
 @dataclass
 class EvalConfig:
-    # Evaluate in a simulator: the dataset's environment (default physics, where the data were logged) when its id
-    # is a registered Gymnasium environment, or env_id. False, or no simulator: private evaluation on logged data.
+    """How the learned policy is evaluated: returns in a public simulator when there is one (no privacy cost), else a
+    private estimate of its value on logged data (``offline``: paid from the run's budget)."""
+
+    # False: no evaluation at all (no simulator returns, no private estimate, none of the budget spent on one).
     enabled: bool = True
-    env_id: Optional[str] = None
-    episodes: int = 10
-    num_envs: int = 4
+    # Evaluate in a simulator: env_id, or the dataset's environment (default physics, where the data were logged)
+    # when its id is a registered Gymnasium environment. False, or no simulator: private evaluation on logged data.
+    simulator: bool = True
+    env_id: Optional[str] = None  # the simulator's Gymnasium id (default: the dataset's, when it is registered)
+    episodes: int = 10  # simulator episodes per evaluation
+    num_envs: int = 4  # simulator copies stepped together
     max_episode_steps: Optional[int] = None  # the paper evaluates CartPole with 1000
-    seed: int = 12345
+    seed: int = 12345  # public seed of the simulator's episodes
     last_evals: int = 10  # the summary also reports the mean of the last this-many evaluations (the paper's protocol)
     offline: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)  # without a simulator
     # The discount of the policy value the offline evaluation releases; None: the algorithm's own (CQL's gamma).
@@ -67,6 +74,10 @@ class EvalConfig:
     gamma: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if not self.enabled and self.offline.estimator not in ("auto", "none"):
+            raise ValidationError("eval.enabled", f"false turns every evaluation off, yet eval.offline.estimator asks "
+                                  f"for {self.offline.estimator!r}: to evaluate privately on logged data instead of in "
+                                  "a simulator, set eval.simulator: false (and leave eval.enabled true)")
         if self.env_id is not None:
             check_no_module("eval.env_id", self.env_id)  # refused even with evaluation off: never a module
         for name in ("episodes", "num_envs", "last_evals"):
@@ -80,10 +91,12 @@ class EvalConfig:
 
 @dataclass
 class TrainPipelineConfig:
+    """A private training run: budget, neighbouring relation, data, release, DP-SGD, training loop and evaluation."""
+
     pipeline: str = PIPELINE_NAME
     algorithm: Any = "cql"  # a registered algorithm: its name, or {name: ..., <hyper-parameters>}
     method: str = "mixed"  # dporl.methods.unit_level: non_private, dp_sgd, stable_only, mixed
-    run_dir: str = "runs/train"
+    run_dir: str = "runs/train"  # the run directory (release/ to share, curator/ never)
     epsilon: float = 10.0  # total budget of the run for one unit (count + release + training + evaluation)
     delta: float = 1e-5  # total delta; "mixed" gives half to each stage (the paper)
     release_fraction: float = 0.5  # "mixed": eps1 = release_fraction * (epsilon less the count's share)

@@ -29,7 +29,7 @@ def simulator_id(config: EvalConfig, dataset_env_id: str) -> Optional[str]:
     ``eval.env_id`` must name a registered Gymnasium environment (an error otherwise); the dataset's env id is used
     when it is one (an imported table's usually is not: then there is no simulator). Either id is refused if it
     names a module to import (``dporl.envs.registry``)."""
-    if not config.enabled:
+    if not config.enabled or not config.simulator:
         return None
     if config.env_id:
         return check_env_id("eval.env_id", config.env_id)
@@ -54,6 +54,8 @@ def returns_evaluator(config: EvalConfig, env_id: str, progress: bool = False):
 
 def evaluation_plan(config: TrainPipelineConfig, dataset: TrajectoryDataset, env_id: Optional[str]):
     """The offline evaluation of a run without a simulator (None with one; the release methods evaluate only there)."""
+    if not config.eval.enabled:  # evaluation off: nothing is estimated and none of the budget is planned for it
+        return None
     if env_id is not None or not config.method_spec.evaluates_offline:
         return None
     return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE))
@@ -84,7 +86,10 @@ def announce_evaluation(config: TrainPipelineConfig, env_id: Optional[str], plan
     if env_id is not None:
         print(f"evaluation: returns in the simulator {env_id!r} (post-processing: no privacy cost)")
         return
-    why = ("simulator evaluation is off (eval.enabled: false)" if not config.eval.enabled else
+    if not config.eval.enabled:
+        print("evaluation is off (eval.enabled: false); the policy is not evaluated")
+        return
+    why = ("simulator evaluation is off (eval.simulator: false)" if not config.eval.simulator else
            f"no simulator: {dataset_env_id!r} is not a registered Gymnasium environment")
     if plan is None or plan.estimator == "none":
         print(f"{why}; the policy is not evaluated")

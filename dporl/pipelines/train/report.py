@@ -95,6 +95,7 @@ def release_outputs(config: TrainPipelineConfig, run: RunDirectory, ledger: Priv
                "max_episode_steps": config.eval.max_episode_steps,
                **({"offline_evaluation": offline} if offline is not None else {})},
         action_labels=meta.action_labels,  # declared (public), like the action count
+        observation_names=meta.observation_names,  # the declared observation columns (public)
     )
     evaluation = ({"mode": "simulator", "env_id": env_id} if env is not None else
                   {"mode": "offline", "composition": plan.composition, **offline} if offline is not None else

@@ -91,7 +91,7 @@ def run(config: TrainPipelineConfig, mode: RunMode = "new", dataset: Optional[Tr
     if (dataset is not None) != (config.data.format == "memory"):
         raise ValidationError("data.format", "format 'memory' is for a dataset handed over in Python "
                               "(run(config, dataset=...)), and only it takes one")
-    if config.eval.enabled and config.eval.env_id is not None:
+    if config.eval.enabled and config.eval.simulator and config.eval.env_id is not None:
         simulator_id(config.eval, config.eval.env_id)  # a config-only refusal, before the run directory is touched
     with RunDirectory(config.run_dir, pipeline=PIPELINE_NAME, config=to_dict(config), mode=mode) as run_dir:
         check_inputs_outside(run_dir, data_inputs(config.data))  # --overwrite never deletes the user's inputs
