@@ -688,3 +688,15 @@ def test_property_views_match_episode_slices(dataset, data):
         reaches_end = t == len(whole["actions"])
         assert piece["terminated"] == (whole["terminated"] and reaches_end)
         assert piece["truncated"] == (whole["truncated"] if reaches_end else True)
+
+
+def test_a_zip_needing_a_foreign_zip_version_is_refused_by_name(tmp_path):
+    """A central directory asking for a zip version Python cannot extract (zipfile raises NotImplementedError) is a
+    corrupt file like any other: ValidationError, mapped or read."""
+    raw = bytearray(make_dataset()[0].save(tmp_path / "v.npz").read_bytes())
+    start = raw.index(b"PK\x01\x02")  # the first central directory entry: signature, made-by, needed-to-extract
+    raw[start + 6:start + 8] = (109).to_bytes(2, "little")
+    (tmp_path / "v.npz").write_bytes(bytes(raw))
+    for mmap in (True, False):
+        with pytest.raises(ValidationError, match="not a readable zip archive"):
+            TrajectoryDataset.load(tmp_path / "v.npz", mmap=mmap)

@@ -43,7 +43,7 @@ def load_budget_bytes() -> int:
 def _open_zip(path: Path, field: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:  # e.g. a foreign zip version
         raise ValidationError(field, f"{path} is not a readable zip archive ({type(exc).__name__}: {exc})") from None
 
 
