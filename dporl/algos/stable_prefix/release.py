@@ -23,7 +23,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.relations import ADD_REMOVE
 from dporl.privacy.sparse_vector import StablePrefixBudget
-from dporl.utils.io import atomic_write_json
+from dporl.utils import io as io_utils
 
 
 @dataclass
@@ -60,8 +60,8 @@ class StablePrefixRelease:
     def save(self, release_dir, curator_dir) -> None:
         """``release_dir``: d_stable.npz and release.json (public); ``curator_dir``: release_runs.json."""
         self.stable.save(Path(release_dir) / "d_stable.npz")
-        atomic_write_json(Path(release_dir) / "release.json", self.summary())
-        atomic_write_json(Path(curator_dir) / "release_runs.json", self.curator())
+        io_utils.atomic_write_json(Path(release_dir) / "release.json", self.summary())
+        io_utils.atomic_write_json(Path(curator_dir) / "release_runs.json", self.curator())
 
 
 def release_stable_prefixes(
