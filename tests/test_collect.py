@@ -7,7 +7,8 @@ import torch
 from dporl.experts import ExpertSet, StackedLinearPolicy
 from dporl.experts.analytic import cartpole_lqr_experts
 from dporl.envs.variants import physics_of
-from dporl.experts.collect import collect, evaluate_policies, make_vector_env
+from dporl.envs.process_env import make_vector_env
+from dporl.experts.collect import collect, evaluate_policies
 from dporl.utils.validation import ValidationError
 
 

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import dporl.data.dataset as dataset_module
+import dporl.data.storage as storage_module
 from dporl.algos.expert_sources import CQL_KEYS, expert_source, stable_source
 from dporl.data import DatasetMetadata, TrajectoryDataset
 from dporl.privacy.samplers import PoissonUnitSource
@@ -237,7 +237,7 @@ def test_mapped_load_refuses_object_members_and_truncation(tmp_path):
 
 # ---------------------------------------------------------------- validation and fingerprint in chunks
 def test_chunked_checks_count_every_bad_value_and_flag(monkeypatch):
-    monkeypatch.setattr(dataset_module, "_CHUNK_BYTES", 16)  # 4 float32 per chunk: many chunks
+    monkeypatch.setattr(storage_module, "_CHUNK_BYTES", 16)  # 4 float32 per chunk: many chunks
     dataset = _dataset(seed=30)
     fields = {name: value for name, value in arrays_of(dataset).items()}
     observations = fields["observations"].copy()
@@ -256,7 +256,7 @@ def test_chunked_checks_count_every_bad_value_and_flag(monkeypatch):
 
 def test_fingerprint_hashes_the_same_bytes_in_chunks(monkeypatch):
     """Run directories record fingerprints as provenance: the value is sha256 over metadata and whole arrays."""
-    monkeypatch.setattr(dataset_module, "_CHUNK_BYTES", 24)
+    monkeypatch.setattr(storage_module, "_CHUNK_BYTES", 24)
     dataset = _dataset(seed=31)
     digest = hashlib.sha256(json.dumps(dataset.metadata.to_dict(), sort_keys=True).encode())
     for name, array in arrays_of(dataset).items():

@@ -17,13 +17,11 @@ from dporl.envs.hiv import (
     HIVTreatmentEnv,
     HIVVectorEnv,
     HIVVectorSimulator,
-    _drug_coefficients,
-    _log_rates,
-    _RosenbrockSolver,
     hiv_derivatives,
     hiv_jacobian,
     integrate_scipy,
 )
+from dporl.envs.hiv_dynamics import _drug_coefficients, _log_rates, _RosenbrockSolver
 from dporl.utils.validation import ValidationError
 
 NO_DRUG = np.zeros(1)

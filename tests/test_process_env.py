@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dporl.experts.collect import make_vector_env
-from dporl.experts.process_env import ProcessVectorEnv
+from dporl.envs.process_env import ProcessVectorEnv, make_vector_env
 from dporl.utils.validation import ValidationError
 
 pytest.importorskip("Box2D")

@@ -203,7 +203,7 @@ def test_the_public_simulator_rebuilds_from_the_logging_metadata(env_id):
     """Every shipped environment's logging physics (as ``collect`` records it: all parameters, LunarLander's wind
     settings too while wind is off) rebuilds the simulator, which accepts a 128-bit secret reset seed."""
     from dporl.algos.stable_prefix import PublicSimulator
-    from dporl.experts.collect import logging_physics
+    from dporl.envs.vector import logging_physics
 
     env = PublicSimulator(env_id, logging_physics(env_id, {}, {}), {}, 5).make(3)
     try:

@@ -304,7 +304,7 @@ def test_metadata_refuses_inconsistent_unit_keys():
 def test_blockwise_passes_match_one_block(monkeypatch, block):
     """The importer's blockwise passes (observation interleaving, step and unit checks) agree with one big block,
     including blocks that end inside an episode or on an inserted final state."""
-    import dporl.data.table as table_module
+    import dporl.data.table_phases as table_module
 
     frame = logged_frame(seed=8, n_units=5, episodes_per_unit=4)
     sizes = frame.groupby("episode", sort=False)["step"].transform("size")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dporl.experts.collect import make_vector_env
+from dporl.envs.process_env import make_vector_env
 from dporl.experts.expert_set import sample_with_uniforms
 from dporl.experts.policies import StackedMLPPolicy
 from dporl.experts.ppo import (

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dporl.experts.collect import make_vector_env
+from dporl.envs.process_env import make_vector_env
 from dporl.experts.expert_set import sample_with_uniforms
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 

@@ -18,7 +18,8 @@ from typing import Any, Literal, Optional
 
 import numpy as np
 
-from dporl.experts.collect import collect, make_vector_env
+from dporl.envs.process_env import make_vector_env
+from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines

@@ -2,7 +2,7 @@
 
 Gymnasium's ``AsyncVectorEnv`` runs one process per sub-env, which is right for a handful of expensive envs and
 wrong for thousands of cheap Box2D landers (one per expert copy, as batched PPO needs). Here ``workers`` processes
-each build ONE ordinary vector env (``dporl.experts.collect.make_vector_env``: a ``SyncVectorEnv`` of Gymnasium envs
+each build ONE ordinary vector env (``dporl.envs.vector.make_local_vector_env``: a ``SyncVectorEnv`` of Gymnasium envs
 for LunarLander, a numpy-batched env where one exists) over a contiguous slice of the sub-envs; ``step`` sends every
 worker its slice of the actions before waiting for any, so the slices advance in parallel.
 
@@ -11,6 +11,8 @@ seeds (``reset(seed=[...])``; an int s seeds sub-env i with s + i), the same obs
 Workers are forked where the platform can (Linux; they run only numpy and Box2D code, never torch, so inheriting
 the parent's torch state is harmless, and a script without an ``if __name__ == "__main__"`` guard still works),
 spawned elsewhere. Ray is the tool when one machine is outgrown (``dporl.experts.generate``'s ``ray`` section).
+
+``make_vector_env`` is the one entry point: one process, or ``workers`` of them.
 """
 
 from __future__ import annotations
@@ -23,14 +25,32 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from dporl.envs.classic_vector import sub_env_seeds
+from dporl.envs.registry import check_env_id
+from dporl.envs.vector import make_local_vector_env
 from dporl.utils.validation import ValidationError
 
 
-def _worker(connection, env_id: str, num_envs: int, max_episode_steps: int, params, env_kwargs) -> None:
-    from dporl.experts.collect import make_vector_env  # imported here: the parent imports this module cheaply
+def make_vector_env(
+    env_id: str,
+    num_envs: int,
+    max_episode_steps: int,
+    params: Sequence[Mapping[str, Any]] | None = None,
+    env_kwargs: Mapping[str, Any] | None = None,
+    workers: int = 1,
+) -> VectorEnv:
+    """Vector env of ``num_envs`` copies of ``env_id`` in next-step autoreset mode (``make_local_vector_env``:
+    ``params`` one physics dict per sub-env, ``env_kwargs`` for every make call). ``workers > 1``: the sub-envs
+    step in that many processes (``ProcessVectorEnv``; worth it for Box2D LunarLander, whose envs step in Python).
+    """
+    check_env_id("env_id", env_id)  # a name, never a module to import (dporl.envs.registry)
+    if workers > 1 and num_envs > 1:
+        return ProcessVectorEnv(env_id, num_envs, max_episode_steps, params, env_kwargs, workers=workers)
+    return make_local_vector_env(env_id, num_envs, max_episode_steps, params, env_kwargs)
 
+
+def _worker(connection, env_id: str, num_envs: int, max_episode_steps: int, params, env_kwargs) -> None:
     try:
-        env = make_vector_env(env_id, num_envs, max_episode_steps, params, env_kwargs)
+        env = make_local_vector_env(env_id, num_envs, max_episode_steps, params, env_kwargs)
         connection.send(("ok", (env.single_observation_space, env.single_action_space)))
     except ValidationError as exc:  # bad settings: the parent raises the same ValidationError
         connection.send(("invalid", (exc.field, str(exc).removeprefix(f"{exc.field}: "))))
