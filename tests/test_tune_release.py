@@ -225,3 +225,21 @@ def test_a_run_given_a_released_stable_releases_none(logged, tmp_path, search, r
     with contextlib.redirect_stdout(io.StringIO()):
         summary = pipeline.run(config)
     assert [s["name"] for s in summary["privacy"]["stages"]] == ["train"] and releases == []
+
+
+def test_the_shipped_mixed_space_is_accepted_for_the_quickstart():
+    """configs/tune_expert_cql_quickstart_space.yaml against its base: the method, the space and its privacy classes
+    (dp.p_dp's choices) pass the search's checks, writing nothing."""
+    from pathlib import Path
+
+    from dporl.tuning.config import TuneConfig
+    from dporl.tuning.planning import trial_kind
+    from dporl.utils.config import from_dict, load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    quickstart = load_yaml(root / "configs" / "expert_cql_quickstart.yaml")
+    settings = from_dict(TuneConfig, load_yaml(root / "configs" / "tune_expert_cql_quickstart_space.yaml"))
+    kind = trial_kind(quickstart["pipeline"])
+    kind.check_base(kind.config(quickstart))
+    kind.check_space(settings.search_space, quickstart)
+    assert [c["dp.p_dp"] for c in kind.privacy_classes(settings.search_space)] == [0.1, 0.5]
