@@ -194,7 +194,7 @@ class TrainTrials:
             dataset, experts = load_data(data, out_dir, need_experts=release)
             trial_data = {"format": "npz", "path": os.path.abspath(data.npz_path), "mmap": data.mmap}
             return LoadedData(dataset, trial_data, _fingerprints(dataset, experts), experts)
-        elif data.format == "npz":
+        if data.format == "npz":
             from dporl.experts.expert_set import ExpertSet
             from dporl.pipelines.train import generate_dataset
 
@@ -203,13 +203,11 @@ class TrainTrials:
             experts = ExpertSet.load(data.expert_set or expert_path) if release else None
             trial_data = {"format": "npz", "path": os.path.abspath(path)}
             return LoadedData(dataset, trial_data, _fingerprints(dataset, experts), experts)
-        else:
-            frame = None
-            if dataset is None:
-                dataset, frame = import_dataset(data, progress=False)
-            path = save_imported(dataset, Path(out_dir), frame)
-            trial_data = {"format": "npz", "path": os.path.abspath(path)}
-        return LoadedData(dataset, trial_data, {"dataset": dataset.fingerprint()})
+        frame = None
+        if dataset is None:
+            dataset, frame = import_dataset(data, progress=False)
+        path = save_imported(dataset, Path(out_dir), frame)
+        return LoadedData(dataset, {"format": "npz", "path": os.path.abspath(path)}, _fingerprints(dataset, None))
 
     def count_plan(self, config, dataset) -> CountPlan:
         """The count the search releases for its trials (``config``: the base at the search's budget): one per cell

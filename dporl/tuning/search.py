@@ -51,6 +51,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from dporl.methods.unit_level import TRAIN_STAGE
 from dporl.pipelines.unit_count import count_once, describe_count
 from dporl.privacy.count import ReleasedCount
 from dporl.privacy.events import SelectionEvent, event_to_dict
@@ -58,7 +59,6 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import ROOT_BITS, SecretRoot
 from dporl.privacy.selection import TrialCount, calibrate_trial_budget, describe_search, selection_epsilon, trial_rdp
 from dporl.privacy.units import dataset_unit
-from dporl.methods.unit_level import TRAIN_STAGE
 from dporl.train import interrupt
 from dporl.train.run_dir import RunDirectory, RunMode, read_journal
 from dporl.tuning.config import TuneConfig
