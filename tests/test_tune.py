@@ -189,8 +189,12 @@ def test_refusals_name_the_field_and_write_nothing(tmp_path):
         with pytest.raises(ValidationError) as info:
             _tune(base, space)
         assert info.value.field == field, (settings, info.value)
-    with pytest.raises(ValidationError, match="method") as info:
+    with pytest.raises(ValidationError, match="stable-prefix release") as info:  # table data: no experts to query
         _tune({**base, "method": "mixed"}, tiny_space(tmp_path / "x"))
+    assert info.value.field == "method"
+    with pytest.raises(ValidationError) as info:
+        _tune({**base, "method": "non_private"}, tiny_space(tmp_path / "x"))
+    assert info.value.field == "method"
     with pytest.raises(ValidationError) as info:
         _tune({**base, "pipeline": "fnq"}, tiny_space(tmp_path / "x"))
     assert info.value.field == "pipeline"

@@ -93,7 +93,8 @@ def event_rdp(event: PrivacyEvent) -> np.ndarray:
             raise ValidationError(
                 "selection.trial", f"{event} is known only as (epsilon, delta)-DP with delta > 0 (e.g. a stable-prefix "
                 "release run): it has no Renyi curve, and the selection bounds used here (Papernot & Steinke 2022) "
-                "need one; tune a method whose trials are Renyi-accounted (dp_sgd)")
+                "need one; such a release belongs before the trials, once, as its own event (what dporl.tuning does for "
+                "the stable-prefix release), never inside a trial")
         return pure_dp_rdp(event.epsilon)
     if isinstance(event, ReplaceOneEvent) or (isinstance(event, ApproxDPEvent) and event.replace_one):
         raise ValidationError(

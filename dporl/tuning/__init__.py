@@ -1,8 +1,9 @@
 """Private hyperparameter selection: ``dporl tune --config C --space S`` and ``dporl.tune(config, space, ...)``.
 
-One guarantee covers the whole search: a private count of the units (paid once), K private runs of the pipeline with
-hyperparameters drawn at random from the space (K itself random and never released), and the release of the best
-run only (Papernot & Steinke 2022, "Hyperparameter tuning with Renyi differential privacy"; Liu & Talwar 2019,
+One guarantee covers the whole search: a private count of the units (paid once), for the methods with the
+stable-prefix release (mixed, stable_only) that release (paid once, before any run, every run training on it), K
+private runs of the pipeline with hyperparameters drawn at random from the space (K itself random and never
+released), and the release of the best run only (Papernot & Steinke 2022, "Hyperparameter tuning with Renyi differential privacy"; Liu & Talwar 2019,
 "Private selection from private candidates"). See ``dporl.tuning.search`` for the steps and the run directory,
 ``dporl.tuning.config`` for the space file, ``dporl.privacy.selection`` for the analysis.
 

@@ -7,7 +7,9 @@
       batch_size: {choices: [128, 256, 512]}
 
 The search's budget is the base config's (``epsilon``, ``delta``), or ``epsilon`` / ``delta`` here: ONE guarantee
-covers the count of the units (paid once, before the search), every trial and the selection. ``trial_epsilon``
+covers the count of the units (paid once, before the search), the stable-prefix release of ``mixed`` /
+``stable_only`` (paid once, before the search, at the base config's share; its keys cannot be tuned), every trial
+and the selection. ``trial_epsilon``
 fixes each trial's budget instead of calibrating it (the search then refuses if it does not fit).
 """
 

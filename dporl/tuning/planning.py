@@ -10,7 +10,11 @@ curve stays under the planned one; a trial that spent more voids the search's gu
 A pipeline a search may tune is a ``TrialKind``: the keys it refuses to tune (they fix the data, the budget, the
 relation or the evaluation every trial is compared by), the keys that change a trial's privacy (tunable as
 ``choices`` only: the search plans every combination and covers the costliest), the data every trial reads (loaded
-and counted once), the count the search releases for all trials, each trial's config, and its score.
+and counted once), the count the search releases for all trials, each trial's config, and its score. For the
+methods with a stable-prefix release (``stable_only``, ``mixed``) the release is the search's too: run once before
+the trials, with its own accounted stage (its runs are (epsilon, delta)-DP and have no Renyi curve, so they cannot
+sit inside the selection's analysis), and read by every trial as a public input; the keys it depends on are refused
+in a space.
 """
 
 from __future__ import annotations
@@ -84,6 +88,10 @@ class TrialPrivacy:
         return TrialPrivacy(tuple(stages), cells)
 
 
+def _fingerprints(dataset: Any, experts: Any) -> dict[str, str]:
+    return {"dataset": dataset.fingerprint(), **({"expert_set": experts.fingerprint()} if experts is not None else {})}
+
+
 def _is_under(key: str, prefixes: tuple[str, ...]) -> Optional[str]:
     for prefix in prefixes:
         if key == prefix or key.startswith(prefix + "."):
@@ -100,16 +108,24 @@ class LoadedData:
     dataset: Any
     trial_data: dict[str, Any]
     inputs: dict[str, str]
+    experts: Any = None  # the expert set that logged the data (the release methods), else None
 
 
 class TrainTrials:
-    """Trials of the ``train`` pipeline (any registered algorithm) with ``method: dp_sgd`` under add/remove
-    neighbours (their events are Renyi-accounted; the stable-prefix release's (eps, delta) runs are not)."""
+    """Trials of the ``train`` pipeline (any registered algorithm) under add/remove neighbours with a private
+    method: ``dp_sgd`` (each trial's events are Renyi-accounted), or ``mixed`` / ``stable_only``, whose
+    stable-prefix release (its (eps, delta) runs have no Renyi curve) the search runs once before the trials and
+    every trial reads as a public input (``released_stable``): a ``mixed`` trial's mixture steps are
+    Renyi-accounted, a ``stable_only`` trial spends nothing (noiseless training on D_stable, returns in the public
+    simulator: post-processing of what the search released)."""
 
     pipeline = "train"
     # The data, the budget, the relation and the evaluation are the search's: the same for every trial.
     FIXED = ("pipeline", "run_dir", "noise_seed", "epsilon", "delta", "relation", "count_fraction", "released_count",
-             "method", "data", "eval", "release", "release_fraction")
+             "released_stable", "method", "data", "eval")
+    # What the stable-prefix release depends on (its share of the budget, its runs, threshold, noise and horizon):
+    # the search releases it once, before any trial, so no trial may change it.
+    RELEASE = ("release", "release_fraction")
     # Keys whose values change a trial's events (the rate B / m~, the steps, the noise, the analysis calibrating it).
     PRIVACY = ("batch_size", "trainer.max_steps", "dp.noise_multiplier", "dp.accountant", "dp.p_dp")
 
@@ -121,11 +137,16 @@ class TrainTrials:
 
     def check_base(self, config) -> None:
         method = config.method_spec
-        if method.release or not method.private_training:
-            raise ValidationError(
-                "method", f"a private search tunes method dp_sgd (its trials are Renyi-accounted); {config.method!r} "
-                + ("releases stable prefixes, whose (epsilon, delta) runs have no Renyi curve" if method.release
-                   else "makes no privacy claim for a search to compose"))
+        if not method.private:
+            raise ValidationError("method", f"a private search tunes a private method (dp_sgd, mixed, stable_only); "
+                                  f"{config.method!r} makes no privacy claim for a search to compose")
+        if method.release and config.data.format != "npz":
+            raise ValidationError("method", f"{config.method!r} runs the stable-prefix release, which queries the experts "
+                                  "that logged an expert dataset (data.format npz) and rolls them out in a public "
+                                  f"simulator; data.format {config.data.format!r} has neither: tune dp_sgd")
+        if method.release and config.release.source != "fresh":
+            raise ValidationError("release.source", "the logged variant of the release has no guarantee for a search "
+                                  "to compose: use release.source fresh")
         if config.relation != "add_remove":
             raise ValidationError("relation", "a private search needs add/remove neighbours: replace-one events are "
                                   "analysed by their privacy loss distribution and have no Renyi curve here")
@@ -133,6 +154,11 @@ class TrainTrials:
     def check_space(self, space: SearchSpace, base: Mapping[str, Any]) -> None:
         """Refuse (by key) what may not be tuned, privacy keys drawn from ranges, and values the config refuses."""
         for dimension in space.dimensions:
+            release = _is_under(dimension.key, self.RELEASE)
+            if release is not None:
+                raise ValidationError(f"space.{dimension.key}", f"{release!r} configures the stable-prefix release, "
+                                      "which the search runs once before its trials (its own accounted stage, read by "
+                                      "every trial as a public input): a trial cannot change it, nor release again")
             fixed = _is_under(dimension.key, self.FIXED)
             if fixed is not None:
                 raise ValidationError(f"space.{dimension.key}", f"{fixed!r} is the search's, the same for every trial "
@@ -163,41 +189,74 @@ class TrainTrials:
         from dporl.pipelines.inputs import import_dataset, save_imported
 
         data = config.data
+        release = config.method_spec.release
         if data.format == "npz" and data.generate is None:
-            dataset, _ = load_data(data, out_dir, need_experts=False)
+            dataset, experts = load_data(data, out_dir, need_experts=release)
             trial_data = {"format": "npz", "path": os.path.abspath(data.npz_path), "mmap": data.mmap}
-        elif data.format == "npz":
+            return LoadedData(dataset, trial_data, _fingerprints(dataset, experts), experts)
+        if data.format == "npz":
+            from dporl.experts.expert_set import ExpertSet
             from dporl.pipelines.train import generate_dataset
 
-            path, _ = generate_dataset(data.generate, out_dir)
+            path, expert_path = generate_dataset(data.generate, out_dir)
             dataset = TrajectoryDataset.load(path)
+            experts = ExpertSet.load(data.expert_set or expert_path) if release else None
             trial_data = {"format": "npz", "path": os.path.abspath(path)}
-        else:
-            frame = None
-            if dataset is None:
-                dataset, frame = import_dataset(data, progress=False)
-            path = save_imported(dataset, Path(out_dir), frame)
-            trial_data = {"format": "npz", "path": os.path.abspath(path)}
-        return LoadedData(dataset, trial_data, {"dataset": dataset.fingerprint()})
+            return LoadedData(dataset, trial_data, _fingerprints(dataset, experts), experts)
+        frame = None
+        if dataset is None:
+            dataset, frame = import_dataset(data, progress=False)
+        path = save_imported(dataset, Path(out_dir), frame)
+        return LoadedData(dataset, {"format": "npz", "path": os.path.abspath(path)}, _fingerprints(dataset, None))
 
-    def count_plan(self, config, dataset, epsilon: float) -> CountPlan:
-        """The count the search releases for its trials: one per cell of the trials' evaluation partition."""
+    def count_plan(self, config, dataset) -> CountPlan:
+        """The count the search releases for its trials (``config``: the base at the search's budget): one per cell
+        of the trials' evaluation partition, with the failure of its lower bound when the release checks one."""
         from dporl.pipelines.train import training_plan
 
         _, _, plan = training_plan(config, dataset)
-        return CountPlan(epsilon, None if plan is None or plan.partition is None else plan.partition.names)
+        epsilon, delta = config.count_budget()
+        return CountPlan(epsilon, None if plan is None or plan.partition is None else plan.partition.names, delta / 2)
+
+    def plan_release(self, config, loaded: LoadedData):
+        """The search's release plan (``config``: the base at the search's budget; every refusal of the release,
+        before anything is spent; its precondition waits for the count), or None for a method without one."""
+        from dporl.algos.stable_prefix import RELEASE_STAGE, plan_release
+
+        budgets = config.stage_budgets()
+        if RELEASE_STAGE not in budgets:
+            return None
+        eps1, delta1 = budgets[RELEASE_STAGE]
+        return plan_release(loaded.dataset, loaded.experts, epsilon=eps1, delta=delta1, config=config.release,
+                            defer_precondition=True, relation=config.neighbours)
+
+    def release_once(self, config, run, ledger, root, loaded: LoadedData, released: ReleasedCount, plan
+                     ) -> dict[str, Any]:
+        """Run the search's release in its run directory (its own stage of the search's ledger, journaled before
+        any query), or reuse the one its journal recorded: never twice. Its precondition is checked on the released
+        count. Returns what every trial's config gets as ``released_stable``."""
+        from dporl.algos.stable_prefix import RELEASE_STAGE, check_precondition
+        from dporl.pipelines.train.release import run_release
+
+        units = released.units()
+        check_precondition(plan, units)
+        stable, public = run_release(loaded.dataset, loaded.experts, config.stage_budgets()[RELEASE_STAGE], config,
+                                     ledger, run, root, units, plan)
+        return {"path": os.path.abspath(run.release / "d_stable.npz"), "fingerprint": stable.fingerprint(),
+                "public": public}
 
     # ------------------------------------------------------------------ trials
     def trial_config(self, base: Mapping[str, Any], candidate: Mapping[str, Any], *, budget: tuple[float, float],
-                     released: Optional[ReleasedCount], seed: Optional[int], run_dir: str, data: Mapping[str, Any]
-                     ) -> dict[str, Any]:
+                     released: Optional[ReleasedCount], seed: Optional[int], run_dir: str, data: Mapping[str, Any],
+                     stable: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
         """A trial's config: the base with the candidate's values, the trial budget, its secret seed, its run
-        directory, the search's data and count."""
+        directory, the search's data, count and release (``stable``: the release methods)."""
         result = copy.deepcopy(dict(base))
         for key, value in candidate.items():
             set_key(result, key, value)
         result.update(epsilon=float(budget[0]), delta=float(budget[1]), noise_seed=seed, run_dir=run_dir,
-                      data=dict(data), released_count=None if released is None else released.to_dict())
+                      data=dict(data), released_count=None if released is None else released.to_dict(),
+                      released_stable=None if stable is None else copy.deepcopy(dict(stable)))
         set_key(result, "trainer.progress", False)
         return result
 
@@ -217,8 +276,9 @@ class TrainTrials:
         units = ReleasedCount.from_dict(base.released_count, CountPlan(base.released_count["epsilon"], cells or None)
                                         ).units()
         held_out = plan is not None and plan.train_cells is not None
-        source = expert_source(train_data, base.batch_size, base.dp.rows_per_expert, units, "train" if held_out else None,
-                               base.algorithm.algorithm.batch_keys)
+        private = expert_source(train_data, base.batch_size, base.dp.rows_per_expert, units,
+                                "train" if held_out else None, base.algorithm.algorithm.batch_keys)
+        source = base.method_spec.step_source(private, base.dp.p_dp)  # a mixture step for mixed
         if plan is not None and plan.estimator not in ("fqe", "none"):
             raise ValidationError("eval.offline.estimator", f"a search plans the DP-FQE evaluation of its trials "
                                   f"(estimator fqe), not {plan.estimator!r}")
@@ -227,6 +287,8 @@ class TrainTrials:
             config = replace(base, epsilon=float(trial_epsilon))
             budgets, _, eval_plan = training_plan(config, dataset)
             stages = []
+            if TRAIN_STAGE not in budgets:  # stable_only: noiseless training on the search's release
+                return TrialPrivacy((), cells)
             eps, delta = budgets[TRAIN_STAGE]
             sigma = training_noise(config, budgets, None, source.step_event, eval_plan)
             event = source.step_event(sigma)

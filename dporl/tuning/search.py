@@ -6,10 +6,18 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
 1. the data are loaded once (saved, generated or imported into ``RUN/curator/data``, which every trial reads);
 2. the number of units is released once for every trial (stage "unit_count", add/remove neighbours: the count's
    share of the search's epsilon, ``dporl.privacy.count``); each trial derives its rates and noise from it;
+   for the methods with the stable-prefix release (``mixed``, ``stable_only``: Sharma et al. 2024, Algorithms 1-3)
+   the release runs ONCE here too, after the count (its precondition is checked on the count's lower bound), as
+   its own stage "release" of the search's ledger at the share the base config gives it (its runs are
+   (epsilon, delta)-DP, with no Renyi curve for the selection's analysis to hold). It is journaled like a run's
+   (``dporl.pipelines.train.release``): a resumed search reuses it, never releases again. D_stable and its public
+   summary go to ``RUN/release/``; every trial reads them as a public input (``released_stable``) and runs no
+   release of its own; the keys the release depends on are refused in the space;
 3. each trial's events are planned from public inputs (``dporl.tuning.planning``) for every combination of the
    privacy-relevant choices, and the per-trial budget is calibrated: the largest whose search, ONE
-   ``SelectionEvent`` over the costliest plan, fits what the count leaves of the search's budget
-   (``dporl.privacy.selection``);
+   ``SelectionEvent`` over the costliest plan, fits what the count (and the release) leave of the search's budget
+   (``dporl.privacy.selection``). Trials that spend nothing (``stable_only``: noiseless training on D_stable,
+   returns in the public simulator) are post-processing of what the search released: no selection stage;
 4. the number of trials K is drawn from the search's secret stream "search/trials"; trial i gets the secret root
    "trial/i" of the search's root (its run's ``noise_seed``) and draws its candidate from that root's stream
    "candidate"; K, the seeds and the candidates are journaled (curator-only) and the search event is CHARGED, before
@@ -43,6 +51,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from dporl.methods.unit_level import TRAIN_STAGE
 from dporl.pipelines.unit_count import count_once, describe_count
 from dporl.privacy.count import ReleasedCount
 from dporl.privacy.events import SelectionEvent, event_to_dict
@@ -50,6 +59,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import ROOT_BITS, SecretRoot
 from dporl.privacy.selection import TrialCount, calibrate_trial_budget, describe_search, selection_epsilon, trial_rdp
 from dporl.privacy.units import dataset_unit
+from dporl.train import interrupt
 from dporl.train.run_dir import RunDirectory, RunMode, read_journal
 from dporl.tuning.config import TuneConfig
 from dporl.tuning.planning import TrialPrivacy, trial_kind
@@ -62,6 +72,7 @@ PIPELINE = "tune"
 SELECTION_STAGE = "selection"
 PLAN = "search"  # the journal's record of K, the trial seeds and candidates (curator-only)
 TRIALS_DIR = "trials"
+RELEASE_FILES = ("d_stable.npz", "release.json")  # the search's stable-prefix release (release methods)
 # A trial's recorded Renyi curve may exceed the planned one by float rounding only.
 CURVE_RTOL = 1e-9
 
@@ -84,7 +95,8 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
                               "takes one")
     epsilon = config.epsilon if tune.epsilon is None else tune.epsilon
     delta = config.delta if tune.delta is None else tune.delta
-    count_epsilon = config.count_fraction * epsilon
+    at_budget = kind.config({**base, "epsilon": epsilon, "delta": delta})  # the search's stages: count, release, trials
+    budgets = at_budget.stage_budgets()
     run_dir = tune.run_dir or f"{config.run_dir.rstrip('/')}_tune"
     search_config = {"base": to_dict(config), "tune": to_dict(tune), "budget": [epsilon, delta]}
     run = RunDirectory(run_dir, pipeline=PIPELINE, config=search_config, mode=mode)
@@ -97,20 +109,35 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
     ledger = run.ledger((epsilon, delta), config.neighbours)
     unit = dataset_unit(loaded.dataset)
 
-    # 2. the count, once for every trial
-    count_plan = kind.count_plan(config, loaded.dataset, count_epsilon)
+    release_plan = kind.plan_release(at_budget, loaded)  # the release's refusals, before the first spend
+
+    # 2. the count, once for every trial; then the release, once for every trial
+    count_plan = kind.count_plan(at_budget, loaded.dataset)
     if count_plan.cells is not None:
         ledger.partition(_trial_partition(config, loaded.dataset))
     released = count_once(run, ledger, root, count_plan, loaded.dataset, ledger.unit_partition)
     print(describe_count(released))
+    stable = None
+    if release_plan is not None:
+        with interrupt.deferred_interrupts():  # a signal stops the search after the paid release is whole
+            stable = kind.release_once(at_budget, run, ledger, root, loaded, released, release_plan)
+        # Only functions of the release are printed: never a count of the private logged data.
+        public = stable["public"]
+        print(f"stable-prefix release (once, for every trial): {public.get('released_prefixes')} prefixes of "
+              f"{public.get('runs')} runs, {public.get('stable_transitions')} transitions in D_stable")
 
     # 3. plan every privacy class, calibrate the trial budget, build the one search event
     count = tune.trials.count()
+    # What the count (and the release) leave of the search's budget; nothing when the trials spend nothing.
+    selection_budget, selection_delta = budgets.get(TRAIN_STAGE, (0.0, 0.0))
+    spends = TRAIN_STAGE in budgets
+    trial_delta = selection_delta if spends else delta  # (a trial that spends nothing opens no stage)
     classes = kind.privacy_classes(space)
     planners = []
     for values in classes:
-        data = kind.trial_config(base, values, budget=(epsilon, delta), released=released, seed=None,
-                                 run_dir=str(run.curator / TRIALS_DIR / "plan"), data=loaded.trial_data)
+        data = kind.trial_config(base, values, budget=(epsilon, trial_delta), released=released, seed=None,
+                                 run_dir=str(run.curator / TRIALS_DIR / "plan"), data=loaded.trial_data,
+                                 stable=stable)
         planners.append(kind.planner(data, loaded.dataset))
 
     def selection_of(trial_epsilon: float) -> SelectionEvent:
@@ -119,21 +146,23 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
             parts.update(plan(trial_epsilon).parts())
         return count.event(tuple(sorted(parts, key=repr)))
 
-    selection_budget = epsilon - count_epsilon
     plan = run.completed(PLAN)
-    if plan is not None:  # a resumed search: the journaled trial budget, checked against this code's event below
+    if not spends:  # post-processing of the released outputs: trials at no budget, no selection event
+        trial_epsilon, event = 0.0, None
+    elif plan is not None:  # a resumed search: the journaled trial budget, checked against this code's event below
         trial_epsilon = float(plan["trial_epsilon"])
         event = selection_of(trial_epsilon)
     elif tune.trial_epsilon is None:
-        trial_epsilon, event, spent = calibrate_trial_budget(selection_of, selection_budget, delta,
+        trial_epsilon, event, spent = calibrate_trial_budget(selection_of, selection_budget, selection_delta,
                                                              upper=selection_budget)
     else:
         trial_epsilon, event = tune.trial_epsilon, selection_of(tune.trial_epsilon)
-        spent = selection_epsilon(event, delta)
+        spent = selection_epsilon(event, selection_delta)
         if spent > selection_budget:
             raise PrivacyBudgetError("trial_epsilon", f"trials at epsilon={trial_epsilon:g} make a search of "
-                                     f"eps={spent:.4g} at delta={delta:g}, more than the {selection_budget:.4g} the "
-                                     "count leaves of its budget; lower trial_epsilon (or omit it to calibrate)")
+                                     f"eps={spent:.4g} at delta={selection_delta:g}, more than the "
+                                     f"{selection_budget:.4g} the count (and the release) leave of its budget; lower "
+                                     "trial_epsilon (or omit it to calibrate)")
 
     # 4. K, the seeds and the candidates (journaled), then the charge, before any trial runs
     if plan is None:
@@ -141,19 +170,23 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
         seeds = [root.integer(f"trial/{i}", bits=ROOT_BITS) for i in range(trials)]
         candidates = [space.draw(SecretRoot(seed).numpy_generator("candidate")) for seed in seeds]
         plan = {"trials": trials, "seeds": seeds, "candidates": candidates, "trial_epsilon": trial_epsilon,
-                "event": event_to_dict(event)}
+                "event": None if event is None else event_to_dict(event)}
         run.complete(PLAN, plan)
-    elif plan.get("event") != event_to_dict(event):
+    elif plan.get("event") != (None if event is None else event_to_dict(event)):
         raise ValidationError("run_dir", f"{run.root}: the search journaled another plan than this code computes "
                               "for the same config; refusing to resume it (use a new run_dir)")
-    if SELECTION_STAGE not in ledger.stages:
-        ledger.stage(SELECTION_STAGE, budget=(selection_budget, delta), mechanism="rdp", unit=unit,
-                     analysis=describe_search(count))
-    selection_stage = ledger.stages[SELECTION_STAGE]
-    if not len(selection_stage.accountant):
-        ledger.record(SELECTION_STAGE, event)
-    elif selection_stage.accountant.history != [(event, 1)]:
-        raise ValidationError("journal", "the journal charged another search than this one; refusing to resume")
+    if event is not None:
+        if SELECTION_STAGE not in ledger.stages:
+            ledger.stage(SELECTION_STAGE, budget=(selection_budget, selection_delta), mechanism="rdp", unit=unit,
+                         analysis=describe_search(count))
+        selection_stage = ledger.stages[SELECTION_STAGE]
+        if not len(selection_stage.accountant):
+            ledger.record(SELECTION_STAGE, event)
+        elif selection_stage.accountant.history != [(event, 1)]:
+            raise ValidationError("journal", "the journal charged another search than this one; refusing to resume")
+    elif SELECTION_STAGE in ledger.stages:
+        raise ValidationError("journal", "the journal charged a search whose trials this code plans to spend nothing; "
+                              "refusing to resume")
 
     # 5. the trials
     trials, seeds, candidates = _check_plan(plan)
@@ -164,8 +197,9 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
         trial_dir = (run.curator / TRIALS_DIR / name).absolute()
         if run.completed(f"trial/{i}") is not None:
             continue
-        data = kind.trial_config(base, candidates[i], budget=(trial_epsilon, delta), released=released,
-                                 seed=int(seeds[i]), run_dir=str(trial_dir), data=loaded.trial_data)
+        data = kind.trial_config(base, candidates[i], budget=(trial_epsilon, trial_delta) if spends else
+                                 (epsilon, trial_delta), released=released, seed=int(seeds[i]), run_dir=str(trial_dir),
+                                 data=loaded.trial_data, stable=stable)
         # A trial an earlier attempt finished is read back; one it left unfinished starts again from scratch with the
         # same seed: its partial outputs were never released, and a rerun draws the same randomness (one sample of
         # the trial, as charged).
@@ -173,7 +207,7 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
                   "overwrite" if trial_dir.exists() and any(trial_dir.iterdir()) else "new")
         specs.append({"index": i, "pipeline": kind.pipeline, "config": data, "mode": mode_i,
                       "threads": tune.threads_per_trial, "log": str(trial_dir.parent / f"{name}.log")})
-    planned_curve = trial_rdp(event.trial)
+    planned_curve = trial_rdp(event.trial) if event is not None else np.zeros(1)
     bar = progress_bar(trials, tune.progress)
     bar.update(trials - len(specs))
 
@@ -184,7 +218,8 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
         trial_dir = Path(spec["config"]["run_dir"])
         journal = trial_dir / "curator" / "journal.json"
         if journal.is_file():  # what the trial charged, done or failed (its write-ahead journal)
-            realised = trial_rdp(TrialPrivacy.from_ledger(read_journal(journal)).parts())
+            parts = TrialPrivacy.from_ledger(read_journal(journal)).parts()
+            realised = trial_rdp(parts) if any(parts) else np.zeros(1)
             if np.any(realised > planned_curve * (1 + CURVE_RTOL) + 1e-12):
                 ledger.void("a trial's ledger recorded more than the search planned and charged for it")
         if outcome["status"] == "done":
@@ -204,7 +239,8 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
     # 6. selection and release
     records = [run.completed(f"trial/{i}") for i in range(trials)]
     winner = _best(records, tune.score.maximize)
-    return _finish(run, ledger, kind, tune, space, count, released, plan, records, winner, epsilon, delta)
+    return _finish(run, ledger, kind, tune, space, count, released, plan, records, winner, epsilon, delta,
+                   trial_delta if spends else 0.0, None if stable is None else stable["public"])
 
 
 def _check_plan(plan: Any) -> tuple[int, list[int], list[dict[str, Any]]]:
@@ -241,14 +277,16 @@ def _best(records: list[dict[str, Any]], maximize: bool) -> Optional[int]:
 
 def _finish(run: RunDirectory, ledger: PrivacyLedger, kind, tune: TuneConfig, space, count: TrialCount,
             released: ReleasedCount, plan: dict[str, Any], records: list[dict[str, Any]], winner: Optional[int],
-            epsilon: float, delta: float) -> dict:
+            epsilon: float, delta: float, trial_delta: float, stable: Optional[dict[str, Any]] = None) -> dict:
     from dporl.pipelines.unit_count import with_released_count
     from dporl.tuning.results import copy_release, write_results
 
     report = ledger.report()
     privacy = with_released_count(report.to_dict(), released)
-    trial_budget = {"epsilon": float(plan["trial_epsilon"]), "delta": delta}
-    for entry in run.release.iterdir():  # a resumed search writes its release again from scratch
+    trial_budget = {"epsilon": float(plan["trial_epsilon"]), "delta": trial_delta}
+    for entry in run.release.iterdir():  # a resumed search writes its release again from scratch (the
+        if entry.name in RELEASE_FILES and stable is not None:  # stable-prefix release, journaled, is kept)
+            continue
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     selected, winner_summary, headline = None, None, {}
     if winner is not None:
@@ -281,6 +319,7 @@ def _finish(run: RunDirectory, ledger: PrivacyLedger, kind, tune: TuneConfig, sp
         "selected_summary": None if winner_summary is None else
         {k: v for k, v in winner_summary.items() if k != "privacy"},
         "unit_count": released.to_dict(),
+        "release": stable,
         "privacy": privacy,
         "headline": headline,
     }

@@ -109,6 +109,11 @@ class TrainPipelineConfig:
     # releases it ({count, cells, epsilon}). The run then releases none and derives everything count-dependent from
     # it; the search's ledger accounts that count once for all its runs, this run's ledger does not.
     released_count: Optional[dict[str, Any]] = None
+    # add/remove, methods with the release: a stable-prefix release run before this run by a search over many runs
+    # (dporl.tuning), as that search released it ({path, fingerprint, public}: D_stable's file, its sha256 and the
+    # release's public summary). The run then runs no release (it trains on that D_stable, a public input to it) and
+    # its ledger does not account it: the search's ledger accounts it once for all its runs. Needs released_count.
+    released_stable: Optional[dict[str, Any]] = None
     # Secret by default: a known noise seed lets anyone subtract the noise (see dporl.privacy.noise).
     noise_seed: Optional[int] = None
     data: DataConfig = field(default_factory=lambda: DataConfig(dataset="data/cartpole.npz"))
@@ -131,10 +136,18 @@ class TrainPipelineConfig:
         if self.batch_size < 1:
             raise ValidationError("batch_size", f"must be >= 1, got {self.batch_size}")
         method = self.method_spec
-        if self.released_count is not None and (self.relation != "add_remove" or not method.private_training
-                                                or method.release):
-            raise ValidationError("released_count", "a count released before the run serves add/remove dp_sgd runs "
-                                  "only (the release methods check a lower bound of their own count)")
+        if self.released_stable is not None:
+            check_released_stable(self.released_stable)
+            if not method.release or self.relation != "add_remove" or self.release.source != "fresh":
+                raise ValidationError("released_stable", "a stable-prefix release run before this run serves add/remove "
+                                      "runs of a method with the (fresh) release: stable_only or mixed")
+            if self.released_count is None:
+                raise ValidationError("released_stable", "a release run before this run comes with the released count "
+                                      "its precondition was checked on: give released_count too")
+        if self.released_count is not None and (self.relation != "add_remove" or not method.private
+                                                or (method.release and self.released_stable is None)):
+            raise ValidationError("released_count", "a count released before the run serves add/remove private runs "
+                                  "without a release of their own (a release checks a lower bound of its own count)")
 
     @property
     def method_spec(self) -> UnitLevelMethod:
@@ -161,7 +174,10 @@ class TrainPipelineConfig:
         """(epsilon, delta) of each private stage this method runs (the count first, when there is one)."""
         count = self.count_budget()
         budgets = {} if count is None else {COUNT_STAGE: count}
-        return {**budgets, **self.method_spec.stage_budgets(*self.spendable(), self.release_fraction)}
+        stages = self.method_spec.stage_budgets(*self.spendable(), self.release_fraction)
+        if self.released_stable is not None:  # released (and accounted) before the run: training takes it all
+            stages = {TRAIN_STAGE: self.spendable()} if TRAIN_STAGE in stages else {}
+        return {**budgets, **stages}
 
     def count_plan(self, plan: Optional[EvaluationPlan]) -> Optional[CountPlan]:
         """The count this run releases (None without one): one per cell of the evaluation's partition."""
@@ -174,6 +190,21 @@ class TrainPipelineConfig:
     def discount(self) -> Optional[float]:
         """The discount of the released policy value: ``eval.gamma``, else the algorithm's own."""
         return self.eval.gamma if self.eval.gamma is not None else self.algorithm.discount()
+
+
+RELEASED_STABLE_KEYS = ("path", "fingerprint", "public")
+
+
+def check_released_stable(value: Any) -> None:
+    """``released_stable``: {path (D_stable's npz file), fingerprint (its sha256), public (the release's summary)}."""
+    if not isinstance(value, dict) or set(value) != set(RELEASED_STABLE_KEYS):
+        raise ValidationError("released_stable", f"expected {{{', '.join(RELEASED_STABLE_KEYS)}}}, got {value!r}")
+    for key in ("path", "fingerprint"):
+        if not isinstance(value[key], str) or not value[key]:
+            raise ValidationError(f"released_stable.{key}", f"expected a non-empty string, got {value[key]!r}")
+    if not isinstance(value["public"], dict):
+        raise ValidationError("released_stable.public", f"expected the release's public summary, got "
+                              f"{value['public']!r}")
 
 
 __all__ = ["Budget", "EvalConfig", "PIPELINE_NAME", "PrivateTrainingConfig", "RELEASE_STAGE", "TRAIN_STAGE",

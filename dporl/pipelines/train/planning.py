@@ -46,7 +46,8 @@ def shares_run_budget(config: TrainPipelineConfig, plan: Optional[EvaluationPlan
     stage sequentially only)."""
     if TRAIN_STAGE not in config.stage_budgets() or (plan is not None and plan.estimator != "none"):
         return False
-    return config.method_spec.shares_run_budget(config.release.source == "fresh", config.count_budget() is not None)
+    fresh_release = config.release.source == "fresh" and config.released_stable is None  # a release of its own
+    return config.method_spec.shares_run_budget(fresh_release, config.count_budget() is not None)
 
 
 def train_dp_config(config: TrainPipelineConfig, budget: Budget, sigma: Optional[float] = None,

@@ -96,6 +96,22 @@ def run_release(
     return result.stable, public
 
 
+def load_released_stable(config: TrainPipelineConfig) -> tuple[TrajectoryDataset, dict[str, Any]]:
+    """(D_stable, the release's public summary) of a release run before this run (``config.released_stable``: a
+    search's, accounted in its ledger): the file must be the one the search fingerprinted, and of this
+    configuration's release. The run never releases again: it trains on that public input."""
+    given = config.released_stable
+    stable = TrajectoryDataset.load(given["path"])
+    public = given["public"]
+    if stable.fingerprint() != given["fingerprint"]:
+        raise ValidationError("released_stable.fingerprint", f"{given['path']} is not the D_stable the release "
+                              "fingerprinted: refusing to train on it")
+    if public.get("runs") != config.release.trajectories or stable.n_episodes > config.release.trajectories:
+        raise ValidationError("released_stable.public", f"the release given does not record the "
+                              f"{config.release.trajectories} runs this configuration's release makes")
+    return stable, public
+
+
 def check_no_orphan_release(run: RunDirectory, ledger: PrivacyLedger) -> None:
     """Refuse release files that no journal event pays for (checked before the run spends anything): a journal put
     back from before the release, or files copied in; releasing again would leave the first release uncounted."""

@@ -25,7 +25,7 @@ from dporl.pipelines.train.evaluation import (
     simulator_id,
 )
 from dporl.pipelines.train.planning import Checked, after_count, preflight, train_dp_config
-from dporl.pipelines.train.release import check_no_orphan_release, check_recorded, run_release
+from dporl.pipelines.train.release import check_no_orphan_release, check_recorded, load_released_stable, run_release
 from dporl.pipelines.train.report import record_paper_figure, release_outputs
 from dporl.pipelines.unit_count import count_once, describe_count
 from dporl.privacy.count import ReleasedCount, Units
@@ -60,6 +60,8 @@ class ResolvedRun:
     evaluate: Optional[Callable[[PrivateAlgorithm], dict]]
     env: Any
     plan: Optional[EvaluationPlan]
+    # (D_stable, its public summary) of a release run before this run (``released_stable``), else None
+    released_stable: Optional[tuple[TrajectoryDataset, dict]] = None
 
     @property
     def meta(self) -> DatasetMetadata:
@@ -110,7 +112,8 @@ def _inputs(config: TrainPipelineConfig, run: RunDirectory, device, dataset: Opt
             check_generation(config.data.generate, run.curator / "data", replaced)  # named errors before any write
             run.prepare()  # generated data live in RUN/curator/data unless the config says otherwise
         # Methods without the release need neither the expert set nor a simulator: they never look for them.
-        dataset, experts = load_data(config.data, run.curator / "data", need_experts=config.method_spec.release)
+        dataset, experts = load_data(config.data, run.curator / "data", need_experts=config.method_spec.release
+                                     and config.released_stable is None)
         if experts is not None and config.data.generate is None and config.data.expert_set is None:
             check_inputs_outside(run, {"dataset.metadata.expert_set.path": experts.path})
         if experts is not None:  # the release evaluates the experts where the trainer runs (trainer.device)
@@ -132,6 +135,7 @@ def _resolve_and_train(config: TrainPipelineConfig, run: RunDirectory, dataset: 
     plan = evaluation_plan(config, dataset, env_id)
     budgets = resolved_budgets(config, plan)
     checked = preflight(config, dataset, experts, budgets, plan)
+    given = load_released_stable(config) if config.released_stable is not None else None  # refused before any write
     with seeded(config.trainer.seed):  # public initialisation: the same weights whatever ran before
         algorithm = config.algorithm.build(meta.obs_shape[0], meta.n_actions, dataset_unit(dataset))
     evaluate, env = (returns_evaluator(config.eval, env_id, config.trainer.progress) if env_id is not None else
@@ -147,7 +151,7 @@ def _resolve_and_train(config: TrainPipelineConfig, run: RunDirectory, dataset: 
             save_imported(dataset, run.curator / "data", frame)  # curator-only copy of what was imported
         ledger = run.ledger((config.epsilon, config.delta) if budgets else None, config.neighbours)
         resolved = ResolvedRun(config, run, SecretRoot(config.noise_seed), ledger, budgets, checked, dataset,
-                               experts, algorithm, evaluate, env, plan)
+                               experts, algorithm, evaluate, env, plan, given)
         return train_policy(resolved)
     finally:
         if env is not None:
@@ -163,6 +167,8 @@ def train_policy(r: ResolvedRun) -> dict:
     spent = _count_stage(r)
     if RELEASE_STAGE in r.budgets:
         _release_stage(r, spent)
+    elif r.released_stable is not None:  # a search's release: a public input here, never released again
+        spent.stable, spent.release_public = r.released_stable
     source, result = _training_stage(r, spent)
     record_paper_figure(r.config, source, result, r.ledger)
     offline = _offline_evaluation(r, spent)
