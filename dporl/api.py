@@ -111,7 +111,7 @@ class FitSettings:
             noise_seed=self.noise_seed,
             data=data or DataConfig(format="memory"),
             dp=PrivateTrainingConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                                     rows_per_expert=self.rows_per_unit),
+                                     rows_per_unit=self.rows_per_unit),
             trainer=TrainerConfig(max_steps=self.steps, seed=self.seed, progress=self.progress,
                                   eval_every=max(1, self.steps // 5), log_every=max(1, self.steps // 20),
                                   checkpoint_every=max(1, self.steps // 5),

@@ -101,22 +101,22 @@ def test_transition_columns_gather_what_transitions_copies(dataset, data):
 NINE = Units.public({WHOLE: 9})  # the test datasets' 9 units, exact (replace-one: the count is public)
 
 
-def _copying_source(dataset, batch_size, rows_per_expert):
+def _copying_source(dataset, batch_size, rows_per_unit):
     """The expert source as it was built before shared columns: every column copied by ``transitions()`` and a
     per-transition expert id (reference)."""
     t = dataset.transitions().to_torch()
     m = dataset.metadata.n_experts
-    return PoissonUnitSource({k: t[k] for k in CQL_KEYS}, t["expert_ids"], m, batch_size / m, rows_per_expert,
+    return PoissonUnitSource({k: t[k] for k in CQL_KEYS}, t["expert_ids"], m, batch_size / m, rows_per_unit,
                              unit=dataset_unit(dataset))
 
 
-@pytest.mark.parametrize("rows_per_expert", [1, 3])
+@pytest.mark.parametrize("rows_per_unit", [1, 3])
 @pytest.mark.parametrize("sort_by_expert", [False, True])  # interleaved experts, or logged expert by expert
-def test_expert_source_batches_equal_the_copying_path(rows_per_expert, sort_by_expert):
-    dataset = _dataset(seed=2 + rows_per_expert)
+def test_expert_source_batches_equal_the_copying_path(rows_per_unit, sort_by_expert):
+    dataset = _dataset(seed=2 + rows_per_unit)
     if sort_by_expert:
         dataset = dataset.subset(np.argsort(dataset.expert_ids, kind="stable"))
-    shared, copied = expert_source(dataset, 4.0, rows_per_expert, NINE), _copying_source(dataset, 4.0, rows_per_expert)
+    shared, copied = expert_source(dataset, 4.0, rows_per_unit, NINE), _copying_source(dataset, 4.0, rows_per_unit)
     assert torch.equal(shared.index.counts, copied.index.counts)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     for _ in range(25):

@@ -66,7 +66,7 @@ def table_quickstart(*overrides: str) -> dict[str, Any]:
     at eps 4 (at eps 1 the tiny folds' noisy denominators fall below zero and no value is released to compare)."""
     return apply_overrides(load_yaml(ROOT / "configs/table_quickstart.yaml"), [
         "epsilon=4.0", "batch_size=16", "data.example.units=240", "data.example.episodes_per_unit=2",
-        "dp.rows_per_expert=2", "algorithm.hidden_sizes=[8]", "trainer.max_steps=20",
+        "dp.rows_per_unit=2", "algorithm.hidden_sizes=[8]", "trainer.max_steps=20",
         "trainer.eval_every=10", "trainer.log_every=5", "trainer.checkpoint_every=10", "trainer.progress=false",
         "eval.offline.folds=2", "eval.offline.fqe.steps=20", "eval.offline.fqe.sample_rate=0.2",
         "eval.offline.fqe.rows_per_unit=4", "eval.offline.fqe.fqe.target_update_every=5", *overrides])

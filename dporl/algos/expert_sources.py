@@ -3,7 +3,7 @@
 - ``expert_source``: Algorithm 4's sampler. Every expert of the data (those without rows too) is included with
   rate q = B / m, m the number of units the run may use (``dporl.privacy.count.Units``: a released noisy count
   under add/remove neighbours, the public count under replace-one; never the private count); a sampled expert
-  contributes ``rows_per_expert`` of its transitions, averaged into one per-expert gradient by the engine, and
+  contributes ``rows_per_unit`` of its transitions, averaged into one per-expert gradient by the engine, and
   DP-SGD divides by the public B.
 - ``stable_source``: noiseless steps on B transitions of D_stable, uniformly with replacement.
 
@@ -44,7 +44,7 @@ def transition_columns(dataset: TrajectoryDataset, keys: Sequence[str] = CQL_KEY
 
 
 def expert_source(
-    dataset: TrajectoryDataset, batch_size: float, rows_per_expert: int, units: Units, cell: Optional[str] = None,
+    dataset: TrajectoryDataset, batch_size: float, rows_per_unit: int, units: Units, cell: Optional[str] = None,
     keys: Sequence[str] = CQL_KEYS,
 ) -> PoissonUnitSource:
     """Algorithm 4's sampler: every expert of ``dataset`` (those without rows too) included with rate B / m, B =
@@ -56,7 +56,7 @@ def expert_source(
                               "batch_size")
     columns, experts = transition_columns(dataset, keys)
     return PoissonUnitSource(
-        columns, experts, dataset.metadata.n_experts, batch_size / m, rows_per_expert, unit=dataset_unit(dataset),
+        columns, experts, dataset.metadata.n_experts, batch_size / m, rows_per_unit, unit=dataset_unit(dataset),
         expected_batch=batch_size,
     )
 

@@ -105,7 +105,7 @@ def train_audits(
             sigma = training_noise(config, budgets, planned, step_event_factory(q, config.dp.p_dp if mixed else None),
                                    plan)
         common = {"noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": config.dp.max_grad_norm,
-                  "delta": delta2, "accountant": config.dp.accountant, "rows_per_expert": config.dp.rows_per_expert}
+                  "delta": delta2, "accountant": config.dp.accountant, "rows_per_unit": config.dp.rows_per_unit}
         if mixed:
             audits.append(build_audit("mixture", {"private_probability": config.dp.p_dp, **common}))
         else:

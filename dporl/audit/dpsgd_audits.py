@@ -9,7 +9,7 @@ observation is 100 C e1, and m - 1 others whose observations are fixed vectors o
 the canary's episodes. Both sample at the same rate q = B / m (the canary keeps its place in the population, so
 the two differ only in the canary's rows; a run derives q from a released count of the units, post-processing that
 is the same on both sides once drawn, and the count itself is its own accounted stage). The batch source is the one the train pipeline trains with,
-built by the method objects of ``dporl.methods.unit_level`` (``dp_sgd``: Poisson over experts with ``rows_per_expert``
+built by the method objects of ``dporl.methods.unit_level`` (``dp_sgd``: Poisson over experts with ``rows_per_unit``
 rows per sampled expert; ``mixed``: Algorithm 3's ``MixtureSource`` around it and D_stable). The learner is linear
 with loss -w . obs per row, so a unit's gradient is minus the mean of its rows (the canary's is clipped to exactly
 C along -e1; the others' add nothing along e1), and one SGD step of learning rate 1 from w = 0 releases
@@ -80,11 +80,11 @@ def _other_units(n_units: int, dim: int, clip: float) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12) * norms.unsqueeze(1)
 
 
-def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_expert: int, with_canary: bool, copies: int = 1):
+def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_unit: int, with_canary: bool, copies: int = 1):
     """The fixed expert-level dataset D (``with_canary``) or D', ``copies`` times (one per trial).
 
     In every copy, expert 0 is the canary, whose every observation is 100 C e1; expert i > 0 logs one episode of
-    ``rows_per_expert`` steps at its fixed vector (orthogonal to e1). Copy c holds experts c m .. c m + m - 1 and
+    ``rows_per_unit`` steps at its fixed vector (orthogonal to e1). Copy c holds experts c m .. c m + m - 1 and
     its observations carry c as an extra last coordinate (the trial index ``IndependentSteps`` routes by).
     """
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
@@ -92,7 +92,7 @@ def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_expert: int, 
     vectors = torch.cat([torch.zeros(1, dim), _other_units(n_experts - 1, dim, clip)])
     vectors[0, 0] = CANARY_NORM * clip  # loss -w . obs: the canary's gradient is -100 C e1
     members = np.arange(0 if with_canary else 1, n_experts)
-    length, n = rows_per_expert, copies * len(members)
+    length, n = rows_per_unit, copies * len(members)
     per_copy = vectors[members].repeat_interleave(length + 1, dim=0).numpy()
     copy_index = np.repeat(np.arange(copies, dtype=np.float32), len(per_copy))[:, None]
     observations = np.concatenate([np.tile(per_copy, (copies, 1)), copy_index], axis=1)
@@ -121,18 +121,18 @@ def _public_stable(dim: int):
     )
 
 
-def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, rows_per_expert: int,
+def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, rows_per_unit: int,
                         sample_rate: float, with_canary: bool, copies: int = 1, private_probability: float = 1.0):
     """The source the train pipeline trains ``method`` with (its ``source``), on ``copies`` copies of D or D'."""
     from dporl.methods.unit_level import unit_level_method
     from dporl.privacy.count import WHOLE, Units
 
-    data = canary_dataset(n_experts, dim, clip, rows_per_expert, with_canary, copies)
+    data = canary_dataset(n_experts, dim, clip, rows_per_unit, with_canary, copies)
     stable = _public_stable(dim) if method == "mixed" else None
     # Both neighbours sample at the attacked rate: the population is the audit's public parameter, not D's size.
     return unit_level_method(method).source(
         data, stable, batch_size=sample_rate * n_experts * copies, units=Units.public({WHOLE: n_experts * copies}),
-        rows_per_unit=rows_per_expert, p_dp=private_probability, keys=IndependentSteps.batch_keys)
+        rows_per_unit=rows_per_unit, p_dp=private_probability, keys=IndependentSteps.batch_keys)
 
 
 def released_step_scores(source, trials: int, *, noise_multiplier: float, clip: float, mode: str,
@@ -162,7 +162,7 @@ def dpsgd_step_audit(
     accountant: str = "pld",
     noise_factor: float = 1.0,
     steps: int = 1,
-    rows_per_expert: int = 2,
+    rows_per_unit: int = 2,
 ) -> Experiment:
     """``steps`` expert-level DP-SGD steps on the fixed D (canary + ``n_units`` - 1 experts) vs D' (no canary).
 
@@ -177,7 +177,7 @@ def dpsgd_step_audit(
     if not isinstance(steps, int) or steps < 1:
         raise ValidationError("steps", f"must be an integer >= 1, got {steps!r}")
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_expert": rows_per_expert,
+    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
               "sample_rate": q}
     event = expert_level_source("dp_sgd", with_canary=True, **common).step_event(sigma)
 
@@ -199,7 +199,7 @@ def dpsgd_step_audit(
         chunk_trials=max(1, 2_000 // steps),
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_units": n_units, "dim": dim, "mode": mode,
                   "max_grad_norm": max_grad_norm, "noise_factor": noise_factor, "steps": steps,
-                  "rows_per_expert": rows_per_expert},
+                  "rows_per_unit": rows_per_unit},
     )
 
 
@@ -213,7 +213,7 @@ def mixture_audit(
     delta: float = 1e-5,
     accountant: str = "pld",
     noise_factor: float = 1.0,
-    rows_per_expert: int = 2,
+    rows_per_unit: int = 2,
 ) -> Experiment:
     """One step of Algorithm 3 on the fixed D vs D', through the train pipeline's ``mixed`` source: with probability p an
     expert-level DP-SGD step, else a noiseless step on D_stable.
@@ -227,7 +227,7 @@ def mixture_audit(
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_expert": rows_per_expert,
+    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
               "sample_rate": q, "private_probability": p}
     mixture = expert_level_source("mixed", with_canary=True, **common)
     event = mixture.step_event(sigma)
@@ -258,7 +258,7 @@ def mixture_audit(
             "paper (rate p*q subsampled Gaussian)": paper_mixture_epsilon(p, q, sigma, 1, delta, accountant),
         },
         settings={"private_probability": p, "noise_multiplier": sigma, "sample_rate": q, "n_units": n_units,
-                  "noise_factor": noise_factor, "rows_per_expert": rows_per_expert},
+                  "noise_factor": noise_factor, "rows_per_unit": rows_per_unit},
     )
 
 

@@ -276,7 +276,7 @@ class TrainTrials:
         units = ReleasedCount.from_dict(base.released_count, CountPlan(base.released_count["epsilon"], cells or None)
                                         ).units()
         held_out = plan is not None and plan.train_cells is not None
-        private = expert_source(train_data, base.batch_size, base.dp.rows_per_expert, units,
+        private = expert_source(train_data, base.batch_size, base.dp.rows_per_unit, units,
                                 "train" if held_out else None, base.algorithm.algorithm.batch_keys)
         source = base.method_spec.step_source(private, base.dp.p_dp)  # a mixture step for mixed
         if plan is not None and plan.estimator not in ("fqe", "none"):

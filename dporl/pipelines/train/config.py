@@ -33,7 +33,7 @@ class PrivateTrainingConfig:
 
     noise_multiplier: Optional[float] = None  # None: the smallest that fits trainer.max_steps in the budget
     max_grad_norm: float = 1.0  # C, per-unit gradient clip
-    rows_per_expert: int = 1  # k transitions per sampled unit (1: the paper; >1: user-level DP-SGD, same privacy)
+    rows_per_unit: int = 1  # k transitions per sampled unit (1: the paper; >1: user-level DP-SGD, same privacy)
     p_dp: float = 0.5  # "mixed": probability of a DP-SGD step (the paper's grid: 0.1, 0.2, 0.5, 1)
     # The training stage's analysis. PLD, the analysis of the run's joint guarantee: a private run composes the count
     # (and the release) with training, and the report's joint PLD is tighter than RDP or PRV, so a stage calibrated
@@ -47,8 +47,8 @@ class PrivateTrainingConfig:
         if self.noise_multiplier is not None:
             check_positive("dp.noise_multiplier", self.noise_multiplier)
         check_positive("dp.max_grad_norm", self.max_grad_norm)
-        if self.rows_per_expert < 1:
-            raise ValidationError("dp.rows_per_expert", f"must be >= 1, got {self.rows_per_expert}")
+        if self.rows_per_unit < 1:
+            raise ValidationError("dp.rows_per_unit", f"must be >= 1, got {self.rows_per_unit}")
         check_probability("dp.p_dp", self.p_dp, allow_zero=False)
 
 

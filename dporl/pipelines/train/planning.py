@@ -120,7 +120,7 @@ def after_count(config: TrainPipelineConfig, budgets: Budgets, checked: Checked,
     if TRAIN_STAGE not in budgets:
         return None
     # The sampling rate B / m does not depend on which rows (nor on the columns the algorithm reads).
-    private = expert_source(checked.train_data, config.batch_size, config.dp.rows_per_expert, units,
+    private = expert_source(checked.train_data, config.batch_size, config.dp.rows_per_unit, units,
                             checked.train_cell, config.algorithm.algorithm.batch_keys)
     source = config.method_spec.step_source(private, config.dp.p_dp)
     return training_noise(config, budgets, checked.release, source.step_event, plan)

@@ -217,7 +217,7 @@ def _training_stage(r: ResolvedRun, spent: Spent):
                        analysis=None if config.relation == "add_remove" else CONVERSION)
     source = config.method_spec.source(
         r.checked.train_data, spent.stable, batch_size=config.batch_size, units=spent.units,
-        cell=r.checked.train_cell, rows_per_unit=config.dp.rows_per_expert, p_dp=config.dp.p_dp,
+        cell=r.checked.train_cell, rows_per_unit=config.dp.rows_per_unit, p_dp=config.dp.p_dp,
         keys=config.algorithm.algorithm.batch_keys,
     )
     if dp is not None:  # what an earlier attempt charged must be what this configuration calibrates
