@@ -265,3 +265,22 @@ def test_ray_gives_the_same_search(search, tmp_path):
     assert parallel["selected"] == reference["selected"]
     rows = json.loads((tmp_path / "search" / "curator" / "summary.json").read_text())["results"]
     assert [r["score"] for r in rows] == [r["score"] for r in curator["results"]]
+
+
+def test_the_shipped_cartpole_ppo_space_is_accepted_for_dp_sgd_and_plans_one_class_per_batch_size():
+    """configs/tune_cartpole_ppo_space.yaml against configs/expert_cql_cartpole_ppo.yaml with method=dp_sgd: the space
+    passes the search's checks, and its privacy classes are the batch sizes (the rate B / m~ changes the privacy; the
+    learning rate, alpha and clip do not), writing nothing."""
+    from pathlib import Path
+
+    from dporl.tuning.config import TuneConfig
+    from dporl.tuning.planning import trial_kind
+    from dporl.utils.config import apply_overrides, from_dict, load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    base = apply_overrides(load_yaml(root / "configs" / "expert_cql_cartpole_ppo.yaml"), ["method=dp_sgd"])
+    settings = from_dict(TuneConfig, load_yaml(root / "configs" / "tune_cartpole_ppo_space.yaml"))
+    kind = trial_kind(base["pipeline"])
+    kind.check_base(kind.config(base))
+    kind.check_space(settings.search_space, base)
+    assert sorted(c["batch_size"] for c in kind.privacy_classes(settings.search_space)) == [128, 256, 512]
