@@ -47,8 +47,9 @@ def true_value(policy) -> float:
 
 def small(**changes):
     """A quick CQL (the README's, smaller: CI has two cores)."""
+    evaluation = dporl.OfflineEvalConfig(value_range=(-2.0, 1.0), episodes_per_unit=4)  # declared, public
     return dporl.DiscreteCQLConfig(**{"epsilon": 1.0, "gamma": CHAIN.gamma, "steps": 150, "hidden_sizes": [32],
-                                      "batch_size": 64, "progress": False, **changes})
+                                      "batch_size": 64, "progress": False, "evaluation": evaluation, **changes})
 
 
 def test_csv_to_private_policy_through_the_python_api(csv, tmp_path, capsys):
@@ -131,6 +132,7 @@ def _config(tmp_path, csv, **changes) -> ExpertCQLConfig:
         "data": {"format": "table", "path": str(csv), "columns": dict(COLUMNS, propensity="propensity")},
         "cql": {"hidden_sizes": [16], "gamma": CHAIN.gamma},
         "trainer": {"max_steps": 40, "eval_every": 40, "checkpoint_every": 40, "progress": False},
+        "eval": {"offline": {"value_range": [-2.0, 1.0], "episodes_per_unit": 4, "unit_clip": 12.0}},
     }
     for key, value in changes.items():
         node = data
@@ -240,7 +242,7 @@ def test_a_minari_dataset_trains_through_the_config(tmp_path, monkeypatch):
         "data": {"format": "minari", "path": "dporl/chain-v0", "unit": "expert_id"},
         "cql": {"hidden_sizes": [8], "gamma": CHAIN.gamma},
         "trainer": {"max_steps": 20, "eval_every": 20, "checkpoint_every": 20, "progress": False},
-        "eval": {"offline": {"estimator": "wis"}},
+        "eval": {"offline": {"estimator": "wis", "value_range": [-2.0, 1.0], "unit_clip": 12.0}},
     })
     summary = run(config)
     assert summary["privacy"]["guarantee"]["unit_column"] == "expert_id"

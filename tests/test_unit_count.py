@@ -150,6 +150,7 @@ def test_the_python_api_releases_the_same_count_derived_fields_without_one_unit(
     root, removed = tables
     settings = dict(epsilon=1.0, steps=20, hidden_sizes=[16], batch_size=32, noise_seed=4, progress=False,
                     evaluation=dporl.pipelines.offline_eval.OfflineEvalConfig(
+                        value_range=(-2.0, 1.0), unit_clip=5.0,
                         fqe=dporl.FQETraining(steps=20, fqe=dporl.algos.fqe.FQEConfig(hidden_sizes=[]))))
     sides, partition = {}, None
     for name, csv in (("D", "d.csv"), ("D'", "d_minus.csv")):

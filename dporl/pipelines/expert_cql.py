@@ -87,6 +87,7 @@ from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import Pipeline, curator_note, get_pipeline, register
 from dporl.pipelines.inputs import DataConfig, check_inputs_outside, data_inputs, import_dataset, save_imported
 from dporl.pipelines.offline_eval import EvaluationPlan, OfflineEvalConfig, check_cells, evaluate_offline, plan_evaluation
+from dporl.pipelines.offline_eval import check_noise
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
 from dporl.pipelines.unit_count import (
     check_delta_below_one_over_n,
@@ -376,7 +377,8 @@ def _evaluation_plan(config: ExpertCQLConfig, dataset: TrajectoryDataset, env_id
     """The offline evaluation of a run without a simulator (None with one; the release methods evaluate only there)."""
     if env_id is not None or config.method in ("stable_only", "mixed"):
         return None
-    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE))
+    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE),
+                           config.cql.gamma)
 
 
 def resolved_budgets(config: ExpertCQLConfig, plan: Optional[EvaluationPlan]) -> dict[str, tuple[float, float]]:
@@ -415,6 +417,8 @@ def _announce_evaluation(config: ExpertCQLConfig, env_id: Optional[str], plan: O
              "on the training units, composed sequentially with training")
     print(f"{why}; evaluating the learned policy privately on logged data: DP-{plan.estimator.upper()} {where}, at "
           f"(eps={plan.budget[0]:g}, delta={plan.budget[1]:g})")
+    for line in plan.describe_scales():  # the declared scales and the clip's bias-variance choice (config only)
+        print(line)
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -559,6 +563,8 @@ def _after_count(config: ExpertCQLConfig, budgets, checked: Checked, units: Unit
     check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
+    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
+        check_noise(plan, config.eval.offline, units, checked.train_data, config.cql.gamma, config.neighbours)
     if TRAIN_STAGE not in budgets:
         return None
     # The sampling rate B / m does not depend on which rows.
