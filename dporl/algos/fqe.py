@@ -37,6 +37,7 @@ from dporl.privacy.units import PrivacyUnit, as_unit
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 FQE_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated", "next_pi")
+UNIT_WEIGHT = "unit_weight"  # optional per-row key: the weight of the row's unit (``weighted_row_losses``)
 
 
 @dataclass
@@ -114,6 +115,15 @@ class DiscreteFQE(nn.Module):
         if self.config.td_loss == "huber":
             return F.smooth_l1_loss(q_taken, y, reduction="none")
         return 0.5 * (q_taken - y) ** 2
+
+    def weighted_row_losses(self, batch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(row losses, the weight of each row's unit or None): DP-SGD multiplies each unit's clipped gradient of
+        its mean row loss by its weight (|w| <= 1, ``dporl.privacy.dpsgd``). A unit's mean over its rows weighs a
+        row by 1 / (the unit's rows), a number that depends on how its episodes turned out (a unit whose patients
+        recovered fast has fewer rows), which biases the fitted fixed point; the weight (the unit's rows per episode
+        over a public bound on an episode's length) makes every transition weigh alike again."""
+        weights = batch.data.get(UNIT_WEIGHT)
+        return self.row_losses(batch), None if weights is None else weights.float()
 
     @torch.no_grad()
     def state_values(self, obs: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:

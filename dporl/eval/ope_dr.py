@@ -68,7 +68,7 @@ def dp_doubly_robust(
         estimate_units = units.of("estimate") if hasattr(units, "of") else float(units["estimate"])
     model = fit_dp_fqe(parts["model"], policy, epsilon=model_epsilon, delta=delta, ledger=ledger, root=root,
                        run_dir=Path(run_dir) / "model", stage="dr/model", cells=["model"], training=training,
-                       units=counts["model"])
+                       units=counts["model"], length_cap=scales.horizon)
     result = dp_importance_sampling(
         parts["estimate"], policy, epsilon=epsilon, delta=delta, ledger=ledger, root=root, unit_clip=unit_clip,
         kind="dr", gamma=gamma, q_model=model.q_values, stage="dr/estimate", cells=["estimate"],

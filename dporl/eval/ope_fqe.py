@@ -18,8 +18,8 @@ count. Before training, the noise is predicted from those counts and the run ref
 (``dporl.eval.ope_feasibility``).
 
 Divergence, from released quantities only: a fold whose released Q-network has a non-finite parameter, or whose
-released out-of-range count exceeds half its released episode count (the fit left the value range on most initial
-states), has diverged; the result is then NaN with the value range as its interval, ``calibrated=False``, and a
+released out-of-range count exceeds half its released episode count by more than three noise standard deviations
+(the fit left the value range on most initial states, beyond what the noise explains), has diverged; the result is then NaN with the value range as its interval, ``calibrated=False``, and a
 note naming the fold. The target policy is called on logged states only (never on a terminal placeholder).
 """
 
@@ -33,7 +33,7 @@ from typing import Any, Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from dporl.algos.fqe import FQE_KEYS, DiscreteFQE, FQEConfig
+from dporl.algos.fqe import FQE_KEYS, UNIT_WEIGHT, DiscreteFQE, FQEConfig
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.ope_calibration import fqe_caveat
 from dporl.eval.ope_feasibility import check_feasible, count_upper, predict_fqe
@@ -54,7 +54,8 @@ from dporl.utils.seeding import seeded
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 OUTSIDE_MARGIN = 0.25  # a V(s0) beyond the value range by this fraction of its width counts as out of range
-DIVERGED_SHARE = 0.5  # a fold whose released out-of-range share exceeds this has diverged
+DIVERGED_SHARE = 0.5  # a fold whose released out-of-range share exceeds this (beyond the noise) has diverged
+DIVERGED_MARGIN = 3.0  # ... by this many noise standard deviations
 
 
 @dataclass
@@ -134,14 +135,21 @@ def fold_counts(ledger: PrivacyLedger, root: SecretRoot, parts: dict[str, Trajec
     return FoldCounts({cell: float(released.counts[cell]) for cell in parts}, epsilon - plan.epsilon, plan.epsilon)
 
 
+TARGET_MARGIN = 1.0  # TD targets are clipped to the value range widened by this many widths on each side
+
+
 def scaled_training(training: FQETraining, scales: OPEScales, gamma: Optional[float]) -> FQETraining:
     """``training`` evaluating the discounted value ``gamma`` defines (None: the model's), with Q learnt in units of
-    half the value range and every TD target clipped to the value range (public scales)."""
+    half the value range and every TD target clipped to the value range widened by ``TARGET_MARGIN`` widths on each
+    side (public scales): wide enough that DP-SGD noise around a value near the range's edge is rarely clipped (a
+    clip at the edge itself truncates that noise on one side, a bias measured on the suite), narrow enough that a
+    noisy target network cannot run away."""
     fqe = training.fqe
     gamma = fqe.gamma if gamma is None else gamma
     lo, hi = scales.value_range
+    margin = TARGET_MARGIN * scales.width
     return replace(training, fqe=replace(fqe, gamma=gamma, reward_scale=scales.half,
-                                         target_range=(lo / scales.half, hi / scales.half)))
+                                         target_range=((lo - margin) / scales.half, (hi + margin) / scales.half)))
 
 
 def fit_dp_fqe(
@@ -157,9 +165,12 @@ def fit_dp_fqe(
     cells: Optional[Sequence[str]] = None,
     training: FQETraining = FQETraining(),
     units: Optional[float] = None,
+    length_cap: Optional[int] = None,
 ) -> DiscreteFQE:
     """Unit-level DP-SGD fitted-Q evaluation through the Trainer, at (epsilon, delta) in ``stage``. DP-SGD divides
-    by ``fqe_normaliser(training, units)`` (``units``: a released or public count of ``dataset``'s units)."""
+    by ``fqe_normaliser(training, units)`` (``units``: a released or public count of ``dataset``'s units).
+    ``length_cap``: a public bound on an episode's length (the declared horizon): every transition then weighs
+    alike (``row_weights``); None: every unit weighs alike (biased where episode lengths depend on outcomes)."""
     if len(dataset.metadata.obs_shape) != 1:
         raise ValidationError("dataset.metadata.obs_shape", "FQE needs flat observations")
     normaliser = fqe_normaliser(training, units, stage)
@@ -168,8 +179,11 @@ def fit_dp_fqe(
     # (masked by 1 - done in the TD target).
     t["next_pi"] = logged_action_probabilities(policy, t["next_obs"], ~t["terminated"].bool(),
                                                dataset.metadata.n_actions, "logged next states").float()
-    source = PoissonUnitSource.from_dataset(dataset, {k: t[k] for k in FQE_KEYS}, training.sample_rate,
-                                            training.rows_per_unit, expected_batch=normaliser, replace=False)
+    data = {k: t[k] for k in FQE_KEYS}
+    if length_cap is not None:
+        data[UNIT_WEIGHT] = row_weights(dataset, length_cap)
+    source = PoissonUnitSource.from_dataset(dataset, data, training.sample_rate, training.rows_per_unit,
+                                            expected_batch=normaliser, replace=False)
     relation = ledger.relation
     mechanism = dpsgd_mechanism(relation)
     with seeded(training.seed):  # not the global generator: its state depends on whatever ran before
@@ -192,6 +206,19 @@ def fit_dp_fqe(
     return algorithm
 
 
+def row_weights(dataset: TrajectoryDataset, length_cap: int) -> torch.Tensor:
+    """Every transition's unit weight [n_transitions]: the unit's transitions per episode / ``length_cap`` (<= 1
+    when no episode is longer than the cap; clamped to 1 otherwise). With these weights a unit's clipped mean
+    gradient counts in proportion to its transitions per episode, so every transition of a unit with a given number
+    of episodes weighs alike, whatever its episodes' outcomes (``DiscreteFQE.weighted_row_losses``)."""
+    units = torch.from_numpy(dataset.unit_ids.astype(np.int64))
+    lengths = torch.from_numpy(np.asarray(dataset.episode_lengths, dtype=np.float64))
+    rows = torch.zeros(dataset.n_units, dtype=torch.float64).index_add_(0, units, lengths)
+    episodes = torch.zeros(dataset.n_units, dtype=torch.float64).index_add_(0, units, torch.ones_like(lengths))
+    per_unit = (rows / episodes.clamp_min(1) / float(length_cap)).clamp(max=1.0)
+    return per_unit[units].repeat_interleave(lengths.long()).float()
+
+
 def _fold_parts(dataset, ledger, folds, salt, stage, fold_cells) -> dict[str, TrajectoryDataset]:
     if fold_cells is None:
         return ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold")).split(dataset)
@@ -207,8 +234,9 @@ def _fold_parts(dataset, ledger, folds, salt, stage, fold_cells) -> dict[str, Tr
 
 
 def _release_value(model: DiscreteFQE, part: TrajectoryDataset, policy, scales: OPEScales, unit_clip: float,
-                   ledger: PrivacyLedger, stage: str, root: SecretRoot) -> tuple[float, float]:
-    """(the fold's released mean initial-state value, its released out-of-range share): one Gaussian release."""
+                   ledger: PrivacyLedger, stage: str, root: SecretRoot) -> tuple[float, bool]:
+    """(the fold's released mean initial-state value, whether its released out-of-range count says it diverged):
+    one Gaussian release."""
     first = torch.from_numpy(part.initial_observations())
     pi = action_probabilities(policy, first, part.metadata.n_actions, "logged initial states").float()
     v0 = model.state_values(first, pi).double()
@@ -219,11 +247,10 @@ def _release_value(model: DiscreteFQE, part: TrajectoryDataset, policy, scales: 
     episodes = torch.ones(part.n_episodes, dtype=torch.float64)
     rows = unit_rows([per_unit((v0 - scales.centre) / scales.half, part), per_unit(episodes, part),
                       per_unit(outside, part)], unit_clip)
-    sums, _ = release_sums(rows, ledger=ledger, stage=stage, noise=root.noise(f"{stage}/noise"))
+    sums, std = release_sums(rows, ledger=ledger, stage=stage, noise=root.noise(f"{stage}/noise"))
     A, B, O = (float(x) for x in sums)
-    if B <= 0:
-        return math.nan, math.nan
-    return scales.centre + scales.half * A / B, O / B
+    diverged = O > DIVERGED_SHARE * B + DIVERGED_MARGIN * std
+    return (scales.centre + scales.half * A / B if B > 0 else math.nan), diverged
 
 
 def dp_fqe(
@@ -279,13 +306,11 @@ def dp_fqe(
                 sum(count_upper(c, found.count_epsilon) for c in counts.values()))
     else:  # the public normaliser states the expected batch: its fold size is expected_units / sample_rate
         fold_units, high = len(parts) * training.expected_units / training.sample_rate, None
-    n_params = DiscreteFQE(dataset.metadata.obs_shape[0], dataset.metadata.n_actions, training.fqe,
-                           dataset_unit(dataset)).n_parameters()
     check_feasible(predict_fqe(
         epsilon=epsilon, delta=delta, relation=ledger.relation, units=fold_units, folds=len(parts), unit_clip=clip,
         scales=scales, steps=training.steps, sample_rate=training.sample_rate,
-        train_fraction=training.train_fraction, averaged_steps=training.averaged_steps(), parameters=n_params,
-        confidence=confidence, tolerance=tolerance, units_high=high))
+        train_fraction=training.train_fraction, averaged_steps=training.averaged_steps(), confidence=confidence,
+        tolerance=tolerance, units_high=high))
     eps_train = epsilon * training.train_fraction
     values, stages, failures = [], [], []
     for index, (cell, part) in enumerate(parts.items()):
@@ -293,20 +318,22 @@ def dp_fqe(
         # biases them alike, which the spread over folds cannot see; independent starts turn it into spread.
         model = fit_dp_fqe(part, policy, epsilon=eps_train, delta=delta / 2, ledger=ledger, root=root,
                            run_dir=Path(run_dir) / cell, stage=f"{cell}/train", cells=[cell],
-                           training=replace(training, seed=training.seed + index), units=counts[cell])
+                           training=replace(training, seed=training.seed + index), units=counts[cell],
+                           length_cap=scales.horizon)
         value_stage = f"{cell}/value"
         open_stage(ledger, value_stage, (epsilon - eps_train, delta / 2), part, [cell],
                    analysis="Gaussian mechanism on clipped unit sums")
-        value, outside = _release_value(model, part, policy, scales, clip, ledger, value_stage, root)
+        value, diverged = _release_value(model, part, policy, scales, clip, ledger, value_stage, root)
         stages += [f"{cell}/train", value_stage]
         values.append(value)
         if not model.parameters_finite():
             failures.append(f"fold {cell!r} diverged: its released Q-network has non-finite parameters")
         elif not math.isfinite(value):
             failures.append(f"fold {cell!r}: its noisy episode count was <= 0")
-        elif outside > DIVERGED_SHARE:
-            failures.append(f"fold {cell!r} diverged: its released share of initial-state values outside the value "
-                            f"range by more than {OUTSIDE_MARGIN:.0%} of its width is {outside:.2f}")
+        elif diverged:
+            failures.append(f"fold {cell!r} diverged: its released count of initial-state values outside the value "
+                            f"range by more than {OUTSIDE_MARGIN:.0%} of its width exceeds half its released episode "
+                            "count")
     variance = f"Student-t over {len(values)} disjoint folds of units (each fold's sampling and privacy noise; private)"
     notes = [scales.origin, scales.clip_choice("fqe", clip)]
     if failures:

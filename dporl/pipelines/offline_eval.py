@@ -30,11 +30,10 @@ logged propensities), ``none``. Cells: "train" and "evaluate" (wis, pdis), "eval
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from dporl.algos.fqe import DiscreteFQE
 from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.ope_feasibility import Feasibility, check_feasible, count_upper, predict_fqe, predict_ratio
 from dporl.eval.ope_fqe import FQETraining, dp_fqe, fit_dp_fqe, scaled_training
@@ -47,7 +46,6 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.relations import ADD_REMOVE
-from dporl.privacy.units import dataset_unit
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
 
 Estimator = Literal["auto", "wis", "pdis", "dr", "fqe", "none"]
@@ -242,14 +240,12 @@ def predict_noise(plan: EvaluationPlan, config: OfflineEvalConfig, units: Units,
         high = None if count_eps is None else count_upper(count, count_eps)
         return predict_ratio(plan.estimator, units=count, units_high=high, **common)
     training = scaled_training(config.fqe, plan.scales, gamma)
-    meta = dataset.metadata
-    parameters = DiscreteFQE(meta.obs_shape[0], meta.n_actions, training.fqe, dataset_unit(dataset)).n_parameters()
     cells = plan.evaluation_cells()
     counts = [units.of(c) for c in cells]
     high = None if count_eps is None else sum(count_upper(c, count_eps) for c in counts)
     return predict_fqe(units=sum(counts), folds=len(cells), steps=training.steps, sample_rate=training.sample_rate,
                        train_fraction=training.train_fraction, averaged_steps=training.averaged_steps(),
-                       parameters=parameters, units_high=high, **common)
+                       units_high=high, **common)
 
 
 def check_noise(plan: EvaluationPlan, config: OfflineEvalConfig, units: Units, dataset: TrajectoryDataset,
@@ -258,7 +254,8 @@ def check_noise(plan: EvaluationPlan, config: OfflineEvalConfig, units: Units, d
     (``dporl.eval.ope_feasibility``); the refusal names the units or epsilon needed."""
     prediction = predict_noise(plan, config, units, dataset, gamma, relation)
     if prediction is not None:
-        check_feasible(prediction)
+        label = "held-out units" if plan.train_cells is not None else "units"
+        check_feasible(replace(prediction, units_label=label))
 
 
 def evaluate_offline(
@@ -292,7 +289,7 @@ def evaluate_offline(
         training = scaled_training(config.fqe, plan.scales, gamma)
         model = fit_dp_fqe(parts["model"], policy, epsilon=eps, delta=delta, ledger=ledger, root=root,
                            run_dir=work_dir / "model", stage="dr/model", cells=["model"], training=training,
-                           units=None if units is None else units.of("model"))
+                           units=None if units is None else units.of("model"), length_cap=plan.scales.horizon)
         result = dp_importance_sampling(
             parts["estimate"], policy, epsilon=eps, delta=delta, kind="dr", gamma=gamma, q_model=model.q_values,
             stage="dr/estimate", cells=["estimate"], **common,
