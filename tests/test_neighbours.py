@@ -319,7 +319,7 @@ def test_registry_lists_each_entry_once_with_its_mechanism_and_reason():
         assert key not in seen, key
         seen.add(key)
         assert entry.mechanism and entry.why and entry.pipelines
-        assert set(entry.needs) <= {"count"}
+        assert set(entry.needs) <= {"count", "failed"}
     table = registry_table()
     assert table.count("\n") == len(ENTRIES) + 1 and "unit_count" in table
 

@@ -20,8 +20,8 @@ or how much epsilon would be needed. Nothing here reads the private data.
 
 Noise falls as 1 / n in both, so the units needed are n x (predicted width / tolerance); the epsilon needed is
 the one whose noise multiplier is the current one x (tolerance / predicted width), by the same analysis. A released
-count m~ is noisy: the refusal is decided at its upper confidence bound m~ + t (``count_upper``: P[m > m~ + t] <=
-5%), so a small count's noise does not refuse a feasible evaluation; the units needed are stated from m~.
+count m~ is noisy: the prediction uses m~ itself (at least one unit), and a refusal states m~'s upper confidence
+bound m~ + t (``count_upper``: P[m > m~ + t] <= 5%) beside it, so that a reader sees how much the count could hide.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from typing import Optional
 
 from dporl.eval.ope_release import SQRT2, dpsgd_noise_multiplier, gaussian_noise_multiplier
 from dporl.eval.ope_scales import OPEScales
-from dporl.privacy.events import PoissonGaussianEvent
-from dporl.privacy.relations import ADD_REMOVE, analysed_for
+from dporl.privacy.relations import ADD_REMOVE
 from dporl.utils.validation import ValidationError, check_positive
 
 # DP-FQE: a fold's value noise relative to the noise of its averaged DP-SGD gradient (module docstring); the
@@ -55,17 +54,16 @@ class Feasibility:
     tolerance: float  # the widest acceptable interval
     epsilon_needed: Optional[float]  # None: no epsilon makes it fit at these units
     field: str = "eval.offline"
-    units_high: Optional[float] = None  # an upper confidence bound of a released count (None: ``units`` is exact)
+    units_high: Optional[float] = None  # the upper confidence bound of a released count (None: ``units`` is exact)
     units_label: str = "units"  # what the units are, in the refusal (e.g. "held-out units")
 
     @property
     def ok(self) -> bool:
-        high = self.units if self.units_high is None else max(self.units_high, self.units)
-        return 2 * self.half_width * max(self.units, 1.0) / max(high, 1.0) <= self.tolerance
+        return 2 * self.half_width <= self.tolerance
 
     @property
     def units_needed(self) -> int:
-        return int(math.ceil(self.units * 2 * self.half_width / self.tolerance))
+        return int(math.ceil(max(self.units, 1.0) * 2 * self.half_width / self.tolerance))
 
     def describe(self) -> str:
         eps = ("" if self.epsilon_needed is None else
@@ -106,9 +104,22 @@ def _z(confidence: float) -> float:
 
 
 def _epsilon_for_sigma(sigma: float, delta: float, relation) -> float:
-    from dporl.privacy.accountants import epsilon_for
+    """The epsilon of one Gaussian mechanism of noise multiplier ``sigma`` at ``delta`` (exact: Balle & Wang 2018,
+    delta(eps) = Phi(1 / (2 s) - eps s) - e^eps Phi(-1 / (2 s) - eps s) with s the noise over the sensitivity,
+    which replace-one doubles)."""
+    from scipy import optimize, stats
 
-    return float(epsilon_for([(analysed_for(relation, PoissonGaussianEvent(sigma, 1.0)), 1)], delta, "pld"))
+    s = sigma / (1.0 if relation == ADD_REMOVE else 2.0)
+
+    def excess(eps: float) -> float:
+        return float(stats.norm.cdf(0.5 / s - eps * s) - math.exp(eps) * stats.norm.cdf(-0.5 / s - eps * s)) - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    high = 1.0
+    while excess(high) > 0 and high < 1e6:
+        high *= 2
+    return float(optimize.brentq(excess, 0.0, high)) if excess(high) <= 0 else math.inf
 
 
 def _tolerance(scales: OPEScales, tolerance: Optional[float]) -> float:
@@ -164,18 +175,6 @@ def predict_fqe(*, epsilon: float, delta: float, relation=ADD_REMOVE, units: flo
 
     noise, width = half_width(epsilon)
     tol = _tolerance(scales, tolerance)
-    needed = None
-    if 2 * width > tol:  # the smallest epsilon (up to 1000) that fits, by bisection on the same prediction
-        lo, hi = epsilon, epsilon
-        for _ in range(12):
-            hi *= 2
-            if 2 * half_width(hi)[1] <= tol:
-                break
-        else:
-            hi = math.nan
-        if math.isfinite(hi):
-            for _ in range(6):
-                mid = math.sqrt(lo * hi)
-                lo, hi = (lo, mid) if 2 * half_width(mid)[1] <= tol else (mid, hi)
-            needed = hi
+    # Both noises fall about as 1 / epsilon (noise multipliers of Gaussian mechanisms): the epsilon needed, roughly.
+    needed = epsilon * 2 * width / tol if 2 * width > tol else None
     return Feasibility("fqe", float(units), epsilon, noise, width, tol, needed, field, units_high)

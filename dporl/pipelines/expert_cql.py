@@ -560,11 +560,11 @@ def _after_count(config: ExpertCQLConfig, budgets, checked: Checked, units: Unit
                  plan: Optional[EvaluationPlan]) -> Optional[float]:
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
     delta < 1/n, the release's precondition, the batch size, and the training noise (None without training)."""
+    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
+        check_noise(plan, config.eval.offline, units, checked.train_data, config.cql.gamma, config.neighbours)
     check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
-    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
-        check_noise(plan, config.eval.offline, units, checked.train_data, config.cql.gamma, config.neighbours)
     if TRAIN_STAGE not in budgets:
         return None
     # The sampling rate B / m does not depend on which rows.
