@@ -289,7 +289,8 @@ def _importance_sampling(dataset, seed: int) -> dict[str, Any]:
         return torch.where(odd, torch.full_like(treat, 0.5), treat).expand(obs.shape[0], 2)
 
     result = dp_importance_sampling(dataset, target, epsilon=4.0, delta=1e-5, ledger=PrivacyLedger(),
-                                    root=SecretRoot(seed), unit_clip=5.0, kind="wis", gamma=0.95)
+                                    root=SecretRoot(seed), unit_clip=5.0, kind="wis", gamma=0.95,
+                                    value_range=(-2.0, 1.0))
     return result.to_dict()
 
 
@@ -300,7 +301,9 @@ def test_dp_importance_sampling_flags_do_not_depend_on_one_unit(tmp_path):
 
     dataset, _ = import_dataset(from_dict(DataConfig, table_quickstart()["data"]), progress=False)  # as runs do
     observations = np.array(dataset.observations)
-    observations[0] = 0.5  # the canary (unit 0): its first observation is no one-hot state
+    # The canary (unit 0): its first episode's observations are no one-hot states (the target is uniform there, so
+    # the canary's weight is positive and its removal moves the estimate).
+    observations[: int(dataset.episode_lengths[0]) + 1] = 0.5
     dataset = dataset.replace(observations=observations)
     canary = int(dataset.expert_ids[0])
     d = snapshot_of(_importance_sampling(dataset, SEED))

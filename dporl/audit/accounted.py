@@ -113,9 +113,9 @@ def _offline(keys: tuple[str, ...], needs: tuple[str, ...]) -> list[Accounted]:
         A(keys, "stdout", "*", _VALUE, "the value and interval, printed", needs,
           value=r"^(offline evaluation: \w+: value |policy value \(DP-\w+, )", numbers_only=True),
         A(keys, "*release/summary.json", "headline.policy value*", _VALUE, "the headline of a failed estimate",
-          (*needs, FAILED)),
+          (*needs, FAILED), value=r"\[.*\]"),
         A(keys, "stdout", "*", _VALUE, "the printed value of a failed estimate", (*needs, FAILED),
-          value=r"^(offline evaluation: \w+: value |policy value \(DP-\w+, )"),
+          value=r"^(offline evaluation: \w+: value .*|policy value \(DP-\w+, .*)$"),
     ]
     return out
 

@@ -66,7 +66,7 @@ class Feasibility:
         return int(math.ceil(max(self.units, 1.0) * 2 * self.half_width / self.tolerance))
 
     def describe(self) -> str:
-        eps = ("" if self.epsilon_needed is None else
+        eps = ("" if self.epsilon_needed is None or not math.isfinite(self.epsilon_needed) else
                f", or epsilon about {self.epsilon_needed:.3g} (now {self.epsilon:g}) for these units")
         label = self.units_label
         units = (f"{self.units:.0f} {label}" if self.units_high is None else
@@ -111,13 +111,14 @@ def _epsilon_for_sigma(sigma: float, delta: float, relation) -> float:
 
     s = sigma / (1.0 if relation == ADD_REMOVE else 2.0)
 
-    def excess(eps: float) -> float:
-        return float(stats.norm.cdf(0.5 / s - eps * s) - math.exp(eps) * stats.norm.cdf(-0.5 / s - eps * s)) - delta
+    def excess(eps: float) -> float:  # the second term in logs: e^eps overflows long before the product does
+        second = math.exp(min(eps + float(stats.norm.logcdf(-0.5 / s - eps * s)), 700.0))
+        return float(stats.norm.cdf(0.5 / s - eps * s)) - second - delta
 
     if excess(0.0) <= 0:
         return 0.0
     high = 1.0
-    while excess(high) > 0 and high < 1e6:
+    while excess(high) > 0 and high < 1e4:
         high *= 2
     return float(optimize.brentq(excess, 0.0, high)) if excess(high) <= 0 else math.inf
 
