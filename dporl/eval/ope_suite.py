@@ -186,29 +186,30 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     from dporl.utils.io import atomic_write
 
     names = list(summary["problems"])
-    fig, axes = plt.subplots(2, len(names), figsize=(3.6 * len(names), 6.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(names), figsize=(3.8 * len(names), 6.6), squeeze=False, constrained_layout=True)
     for column, name in enumerate(names):
         problem = summary["problems"][name]
         by_estimator: dict[str, list] = {}
         for key, cell in problem["cells"].items():
             estimator, eps = key.split("@")
             by_estimator.setdefault(estimator, []).append((float(eps), cell))
-        for offset, (estimator, points) in enumerate(by_estimator.items()):
+        for estimator, points in by_estimator.items():
+            offset = ESTIMATORS.index(estimator) if estimator in ESTIMATORS else 0
+            style = dict(color=f"C{offset}", marker="o", ms=3, label=f"DP-{estimator.upper()}")
             points = [(e, c) for e, c in sorted(points, key=lambda x: x[0]) if "coverage" in c]
             if not points:
                 continue
-            eps = np.array([e for e, _ in points]) * (1.08 ** (offset - 2))
+            eps = np.array([e for e, _ in points]) * (1.08 ** (offset - 2))  # side by side
             cov = np.array([c["coverage"] for _, c in points])
             ci = np.array([c["coverage_ci95"] for _, c in points])
-            axes[0][column].errorbar(eps, cov, yerr=[cov - ci[:, 0], ci[:, 1] - cov], marker="o", ms=3, capsize=2,
-                                     label=f"DP-{estimator.upper()}")
+            axes[0][column].errorbar(eps, cov, yerr=[cov - ci[:, 0], ci[:, 1] - cov], capsize=2, **style)
             rmse = [(e * (1.08 ** (offset - 2)), c["rmse"]) for e, c in points if "rmse" in c]
             if rmse:
-                axes[1][column].plot(*zip(*rmse), marker="o", ms=3, label=f"DP-{estimator.upper()}")
-        for key, stats in problem["baselines"].items():
+                axes[1][column].plot(*zip(*rmse), **style)
+        for key, stats in problem["baselines"].items():  # non-private, beside: one line each
             axes[1][column].axhline(stats["rmse"], ls=":", lw=1, color="grey")
-            axes[1][column].text(axes[1][column].get_xlim()[0] if False else 0.1, stats["rmse"], key.upper(),
-                                 fontsize=6, color="grey", va="bottom")
+            axes[1][column].annotate(f"{key.upper()} (non-private)", (0.02, stats["rmse"]),
+                                     xycoords=("axes fraction", "data"), fontsize=6, color="grey", va="bottom")
         axes[0][column].axhline(0.95, color="k", lw=0.8, ls="--")
         axes[0][column].set_ylim(-0.02, 1.02)
         axes[0][column].set_xscale("log")
@@ -218,8 +219,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         axes[1][column].set_xlabel("epsilon (per cell, delta 1e-5)")
     axes[0][0].set_ylabel("coverage of the 95% interval")
     axes[1][0].set_ylabel("RMSE")
-    axes[0][-1].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=f"C{i}", marker="o", ms=3, label=f"DP-{name.upper()}")
+               for i, name in enumerate(ESTIMATORS)]
+    axes[0][0].legend(handles=handles, fontsize=6, loc="lower left")
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110), suffix=".png")
     plt.close(fig)
 
