@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from dporl.privacy import accountants
+from dporl.privacy import accountants, pld
 from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
 from dporl.privacy.events import MixtureEvent, PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
@@ -27,8 +27,7 @@ EXPERTS, P_MIN, TRAJECTORIES, RATE, STEPS, DELTA = 1000, 0.1, 25, 0.256, 2000, 1
 
 def cold() -> None:
     accountants.rdp_curve.cache_clear()
-    accountants.event_pld.cache_clear()
-    accountants._COMPOSED_PLDS.clear()
+    pld.clear_caches()
 
 
 def run_guarantee(epsilon: float, release, event, steps: int, share: bool) -> tuple[float, PrivacyLedger]:

@@ -13,19 +13,22 @@ The public surface, in the order a user meets it::
 - datasets and readers: ``TrajectoryDataset``, ``DatasetMetadata``, ``read_table``, ``read_minari``, ``to_frame``,
   ``import_summary``;
 - privacy units and splits: ``PrivacyUnit``, ``grouped_by``, ``dataset_unit``, ``UnitPartition``;
-- algorithm configs: ``DiscreteCQLConfig`` (d3rlpy-like: ``.create(dataset)`` -> ``PrivateCQL`` with ``.fit``),
-  ``CQLConfig`` / ``DiscreteCQL`` (the network and its per-row losses);
+- algorithms, from the registry (``dporl.algos.registry``; ``dporl list`` shows them): per registered algorithm its
+  Python API config (``DiscreteCQLConfig``, ``DiscreteBCConfig``: d3rlpy-like, ``.create(dataset)`` -> a
+  ``PrivateLearner`` with ``.fit``), its hyper-parameters (``CQLConfig``, ``BCConfig``) and its module
+  (``DiscreteCQL``, ``DiscreteBC``: the network and its per-row losses); ``PrivateAlgorithm`` is the contract;
 - private training: ``Trainer``, ``TrainerConfig``, ``DPConfig``, ``OptimizerConfig``, ``PrivacyLedger``,
   ``SecretRoot``;
 - private evaluation on logged data: ``dp_importance_sampling``, ``dp_fqe``, ``dp_doubly_robust``, ``FQETraining``
   and ``FQEConfig`` (DP-FQE's settings), ``OPEScales`` (public scales from declared facts), ``OPEResult``;
-- policy export and loading: ``GreedyQPolicy`` (``policy.save(dir)``), ``save_policy``, ``load_policy``;
+- policy export and loading: ``GreedyPolicy`` (``policy.save(dir)``), ``save_policy``, ``load_policy``;
 - errors: ``ValidationError`` (bad input, naming the field), ``PrivacyBudgetError``.
 
 Importing ``dporl`` registers dporl's Gymnasium environments (``dporl/HIVTreatment-v0``, ``dporl/Chain-v0``,
 ``dporl/Line1D-v0``), as Gymnasium plugin packages do: ``gym.make("dporl:dporl/Chain-v0")`` works without an
 explicit import. Everything else is imported on first use (``import dporl`` does not import torch), so the
-command line starts quickly.
+command line starts quickly; the registry's names are looked up (and the algorithm modules imported) on first use
+of a name this module does not list.
 
 Layers, each importing only the ones before it:
 utils -> data, envs, experts -> privacy -> algos -> train -> eval, logging -> audit -> pipelines -> api, cli.
@@ -56,12 +59,10 @@ _EXPORTS = {
     "UnitPartition": "dporl.privacy.partition",
     "PrivacyLedger": "dporl.privacy.ledger",
     "SecretRoot": "dporl.privacy.randomness",
-    # algorithms and their configs
-    "CQLConfig": "dporl.algos.cql",
-    "DiscreteCQL": "dporl.algos.cql",
-    "DiscreteCQLConfig": "dporl.api",
+    # algorithms: the contract and the Python API (each registered algorithm's names come from the registry)
+    "PrivateAlgorithm": "dporl.algos.base",
     "OfflineEvalConfig": "dporl.pipelines.offline_eval",
-    "PrivateCQL": "dporl.api",
+    "PrivateLearner": "dporl.api",
     "FitResult": "dporl.api",
     # private training
     "Trainer": "dporl.train.trainer",
@@ -77,36 +78,64 @@ _EXPORTS = {
     "OPEResult": "dporl.eval.ope_result",
     "OPEScales": "dporl.eval.ope_scales",
     # policy export and loading
-    "GreedyQPolicy": "dporl.train.export",
+    "GreedyPolicy": "dporl.train.export",
     "save_policy": "dporl.train.export",
     "load_policy": "dporl.train.export",
+    # private hyperparameter selection
+    "tune": "dporl.tuning",
     # errors
     "ValidationError": "dporl.utils.validation",
     "PrivacyBudgetError": "dporl.utils.validation",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def _registered() -> dict[str, tuple[str, str]]:
+    """The names the algorithm registry provides (imports the algorithm modules)."""
+    from dporl.algos.registry import exported_names
+
+    return exported_names()
+
+
+def _resolve(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    registered = _registered().get(name)
+    if registered is None:
+        raise AttributeError(f"module 'dporl' has no attribute {name!r}")
+    from dporl.algos.registry import get
+
+    kind, algorithm = registered
+    entry = get(algorithm)
+    if kind == "api":
+        from dporl.api import api_config
+
+        return api_config(entry)
+    return entry.config_cls if kind == "config" else entry.algorithm_cls
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dporl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name == "__all__":  # computed on first use: the registry's names need the algorithm modules
+        value: Any = sorted({*_EXPORTS, *_registered(), "__version__"})
+    else:
+        value = _resolve(name)
     globals()[name] = value  # later lookups skip this hook
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_registered()))
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
+    from dporl.algos.base import PrivateAlgorithm
+    from dporl.algos.bc import BCConfig, DiscreteBC
     from dporl.algos.cql import CQLConfig, DiscreteCQL
-    from dporl.api import DiscreteCQLConfig, FitResult, PrivateCQL
+    from dporl.algos.fqe import FQEConfig
+    from dporl.api import FitResult, PrivateLearner
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
     from dporl.data.table import import_summary, read_minari, read_table, to_frame
-    from dporl.algos.fqe import FQEConfig
     from dporl.eval.ope_dr import dp_doubly_robust
     from dporl.eval.ope_fqe import FQETraining, dp_fqe
     from dporl.eval.ope_importance import dp_importance_sampling
@@ -118,6 +147,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from dporl.privacy.randomness import SecretRoot
     from dporl.privacy.units import PrivacyUnit, dataset_unit, grouped_by
     from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
-    from dporl.train.export import GreedyQPolicy, load_policy, save_policy
+    from dporl.train.export import GreedyPolicy, load_policy, save_policy
     from dporl.train.trainer import Trainer
+    from dporl.tuning import tune
     from dporl.utils.validation import PrivacyBudgetError, ValidationError

@@ -7,40 +7,49 @@
     result = cql.fit(run_dir="runs/stays")                      # private CQL + private evaluation, one ledger
     policy = dporl.load_policy(result.policy_dir)               # policy.act(obs); policy.save(dir)
 
-``fit`` runs the ``expert_cql`` pipeline (the code path behind ``dporl train --config``) on the dataset in memory,
-with ``method: dp_sgd``: unit-level DP-SGD CQL over the dataset's unit (the column named in ``read_table``), then
-the policy's evaluation: in the simulator when the dataset's env id is a registered Gymnasium environment, else
-privately on held-out units (``evaluation``, a ``dporl.pipelines.offline_eval.OfflineEvalConfig``), composed in
-parallel so the run's guarantee is ``epsilon``, not the sum. The run directory keeps ``release/`` (the policy, the
-privacy report, the public summary) apart from ``curator/`` (the imported data, the journal, checkpoints).
-``pipeline_config(run_dir)`` gives the equivalent YAML config (``dporl.utils.config.dump_config``).
+Every registered algorithm (``dporl.algos.registry``) has an API config named by its registration
+(``dporl.DiscreteCQLConfig``, ``dporl.DiscreteBCConfig``, ...): the private-training settings of ``FitSettings``
+followed by the algorithm's own hyper-parameters (its config class's fields, with the registration's
+``api_defaults``). ``create(dataset)`` builds the algorithm for the dataset; ``fit`` runs the ``train`` pipeline (the
+code path behind ``dporl train --config``) on the dataset in memory, with method ``dp_sgd`` (``non_private`` when
+``private=False``): unit-level DP-SGD over the dataset's unit (the column named in ``read_table``), then the policy's
+evaluation: in the simulator when the dataset's env id is a registered Gymnasium environment, else privately on
+held-out units (``evaluation``, a ``dporl.pipelines.offline_eval.OfflineEvalConfig``), composed in parallel so the
+run's guarantee is ``epsilon``, not the sum. The run directory keeps ``release/`` (the policy, the privacy report,
+the public summary) apart from ``curator/`` (the imported data, the journal, checkpoints). ``pipeline_config(run_dir)``
+gives the equivalent YAML config (``dporl.utils.config.dump_config``).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos import registry
+from dporl.algos.base import PrivateAlgorithm
+from dporl.algos.registry import AlgorithmConfig
 from dporl.data.dataset import TrajectoryDataset
-from dporl.pipelines.expert_cql import EvalConfig, ExpertCQLConfig, PrivateTrainingConfig
-from dporl.pipelines.expert_cql import run as run_pipeline
 from dporl.pipelines.inputs import DataConfig
 from dporl.pipelines.offline_eval import OfflineEvalConfig
+from dporl.pipelines.train import EvalConfig, PrivateTrainingConfig, TrainPipelineConfig
+from dporl.pipelines.train import run as run_pipeline
 from dporl.privacy.units import PrivacyUnit, dataset_unit
 from dporl.train.config import OptimizerConfig, TrainerConfig
-from dporl.train.export import GreedyQPolicy, load_policy
+from dporl.train.export import GreedyPolicy, load_policy
 from dporl.train.run_dir import RunMode
 from dporl.utils.seeding import seeded
 from dporl.utils.validation import ValidationError, check_positive
 
 
 @dataclass
-class DiscreteCQLConfig:
-    """Unit-level private discrete CQL (Kumar et al. 2020; DP-SGD per unit as in Sharma et al. 2024, Algorithm 4).
+class FitSettings:
+    """Private training of one algorithm on a dataset (DP-SGD per unit as in Sharma et al. 2024, Algorithm 4).
 
     Privacy: ``epsilon`` / ``delta`` bound the whole run (training and evaluation) for one unit of the dataset.
     ``relation="add_remove"`` (the default): neighbours add or remove one unit with all its rows, so the number of
@@ -48,13 +57,15 @@ class DiscreteCQLConfig:
     the sampling rate (batch_size / the released count), the noise and the evaluation's normalisers from it.
     ``relation="replace_one"``: neighbours replace one unit's rows (the number of units is public), and every
     mechanism is analysed for that relation. ``batch_size`` is the expected number of units per DP-SGD step (DP-SGD
-    divides by it), ``rows_per_unit`` the transitions each sampled unit contributes to its one clipped gradient. ``steps`` caps training; the noise is calibrated so that those
-    steps fit the budget (``noise_multiplier`` fixes it instead; then training stops at the budget).
+    divides by it), ``rows_per_unit`` the transitions each sampled unit contributes to its one clipped gradient.
+    ``steps`` caps training; the noise is calibrated so that those steps fit the budget (``noise_multiplier`` fixes
+    it instead; then training stops at the budget). ``eval_gamma``: the discount of the policy value an offline
+    evaluation releases (default: the algorithm's own; required for an algorithm without one).
     """
 
     epsilon: float = 1.0
     delta: float = 1e-5
-    private: bool = True  # False: non-private CQL (NO guarantee; the baseline)
+    private: bool = True  # False: non-private training (NO guarantee; the baseline)
     relation: Literal["add_remove", "replace_one"] = "add_remove"
     count_fraction: float = 0.01  # add_remove: the private count's share of epsilon
     batch_size: float = 64
@@ -63,27 +74,33 @@ class DiscreteCQLConfig:
     noise_multiplier: Optional[float] = None
     max_grad_norm: float = 1.0
     learning_rate: float = 1e-3
-    gamma: float = 0.99
-    alpha: float = 1.0  # weight of the conservative term
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
-    target_update_interval: int = 100
-    reward_scale: float = 1.0  # public constant dividing rewards in the TD target
     evaluation: OfflineEvalConfig = field(default_factory=OfflineEvalConfig)
     simulator: bool = True  # evaluate in the dataset's simulator when its env id is a registered environment
     eval_episodes: int = 10  # simulator evaluation
+    eval_gamma: Optional[float] = None
     noise_seed: Optional[int] = None  # None: 256 secret bits from the OS; a fixed seed is a secret like the data
     seed: int = 0  # public: network initialisation
     progress: bool = True
+
+    algorithm_name: typing.ClassVar[str] = ""  # the registered algorithm (set on each API config class)
 
     def __post_init__(self) -> None:
         check_positive("epsilon", self.epsilon)
         check_positive("batch_size", self.batch_size)
         if self.steps < 1:
             raise ValidationError("steps", f"must be >= 1, got {self.steps}")
+        self.algorithm_config()  # the hyper-parameters' own checks, now
 
-    def pipeline_config(self, run_dir: str | Path, data: Optional[DataConfig] = None) -> ExpertCQLConfig:
-        """The ``expert_cql`` config this runs (``data``: where the data come from; default: handed over in Python)."""
-        return ExpertCQLConfig(
+    def algorithm_config(self) -> AlgorithmConfig:
+        """The registered algorithm's config from this object's hyper-parameter fields."""
+        entry = registry.get(self.algorithm_name)
+        names = [f.name for f in dataclasses.fields(entry.config_cls) if f.name != "name"]
+        return entry.config_cls(**{name: copy.deepcopy(getattr(self, name)) for name in names})
+
+    def pipeline_config(self, run_dir: str | Path, data: Optional[DataConfig] = None) -> TrainPipelineConfig:
+        """The ``train`` config this runs (``data``: where the data come from; default: handed over in Python)."""
+        return TrainPipelineConfig(
+            algorithm=self.algorithm_config(),
             method="dp_sgd" if self.private else "non_private",
             run_dir=str(run_dir),
             epsilon=self.epsilon,
@@ -95,19 +112,18 @@ class DiscreteCQLConfig:
             data=data or DataConfig(format="memory"),
             dp=PrivateTrainingConfig(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
                                      rows_per_expert=self.rows_per_unit),
-            cql=CQLConfig(hidden_sizes=list(self.hidden_sizes), gamma=self.gamma, alpha=self.alpha,
-                          target_update_every=self.target_update_interval, reward_scale=self.reward_scale),
             trainer=TrainerConfig(max_steps=self.steps, seed=self.seed, progress=self.progress,
                                   eval_every=max(1, self.steps // 5), log_every=max(1, self.steps // 20),
                                   checkpoint_every=max(1, self.steps // 5),
                                   optimizer=OptimizerConfig(name="adam", lr=self.learning_rate)),
-            eval=EvalConfig(enabled=self.simulator, episodes=self.eval_episodes, offline=self.evaluation),
+            eval=EvalConfig(enabled=self.simulator, episodes=self.eval_episodes, offline=self.evaluation,
+                            gamma=self.eval_gamma),
         )
 
-    def create(self, dataset: TrajectoryDataset) -> "PrivateCQL":
+    def create(self, dataset: TrajectoryDataset) -> "PrivateLearner":
         """The algorithm for ``dataset``: observation size, the declared action set and the privacy unit from its
         metadata (an imported table declares its actions: ``read_table(..., actions=...)``)."""
-        return PrivateCQL(self, dataset)
+        return PrivateLearner(self, dataset)
 
 
 @dataclass(frozen=True)
@@ -145,23 +161,24 @@ class FitResult:
         return outcome_text(self.summary)
 
 
-class PrivateCQL:
-    """Discrete CQL built for one dataset; ``fit`` trains it privately and releases the greedy policy."""
+class PrivateLearner:
+    """A registered algorithm built for one dataset; ``fit`` trains it privately and releases its greedy policy."""
 
-    def __init__(self, config: DiscreteCQLConfig, dataset: TrajectoryDataset):
+    def __init__(self, config: FitSettings, dataset: TrajectoryDataset):
         if not isinstance(dataset, TrajectoryDataset):
             raise ValidationError("dataset", f"expected a TrajectoryDataset (dporl.read_table, read_minari, "
                                   f"TrajectoryDataset.load), got {type(dataset).__name__}")
         meta = dataset.metadata
+        algorithm = config.algorithm_config()
         if len(meta.obs_shape) != 1:
-            raise ValidationError("dataset.metadata.obs_shape", f"CQL needs flat observations, got {meta.obs_shape}")
+            raise ValidationError("dataset.metadata.obs_shape",
+                                  f"{algorithm.name} needs flat observations, got {meta.obs_shape}")
         self.config = config
         self.dataset = dataset
         self.unit: PrivacyUnit = dataset_unit(dataset)
         self.observation_size, self.n_actions = meta.obs_shape[0], meta.n_actions
         with seeded(config.seed):  # the pipeline builds the same network under the same public seed
-            self.module = DiscreteCQL(self.observation_size, self.n_actions,
-                                      config.pipeline_config(".").cql, privacy_unit=self.unit)
+            self.module: PrivateAlgorithm = algorithm.build(self.observation_size, self.n_actions, self.unit)
         self.result: Optional[FitResult] = None
 
     def fit(self, dataset: Optional[TrajectoryDataset] = None, *, run_dir: str | Path,
@@ -177,15 +194,14 @@ class PrivateCQL:
         run_dir = Path(run_dir)
         summary = run_pipeline(self.config.pipeline_config(run_dir), mode=mode, dataset=dataset)
         released = load_policy(run_dir / "release" / "policy")
-        self.module.q_network.load_state_dict(released.q_network.state_dict())
-        self.module.target_network.load_state_dict(released.q_network.state_dict())
+        self.module.policy_network().load_state_dict(released.network.state_dict())
         self.result = FitResult(run_dir, summary)
         return self.result
 
     @property
-    def policy(self) -> GreedyQPolicy:
-        """The greedy policy of the current Q-network (``.act(obs)``, ``.save(dir)``)."""
-        return GreedyQPolicy.from_q_network(self.module.q_network)
+    def policy(self) -> GreedyPolicy:
+        """The greedy policy of the current network (``.act(obs)``, ``.save(dir)``)."""
+        return GreedyPolicy.of(self.module)
 
     def predict(self, observations: Any) -> torch.Tensor:
         """Greedy actions [B] for observations [B, observation_size] (d3rlpy's name)."""
@@ -193,3 +209,47 @@ class PrivateCQL:
 
     def save_policy(self, directory: str | Path) -> Path:
         return self.policy.save(directory)
+
+
+_API_CONFIGS: dict[str, type] = {}
+
+
+def api_config(entry: registry.AlgorithmEntry) -> type:
+    """The Python API config class of a registered algorithm (built once): ``FitSettings`` followed by the
+    algorithm config's fields, defaults from the config class except where the registration's ``api_defaults``
+    say otherwise."""
+    if entry.api_name in _API_CONFIGS:
+        return _API_CONFIGS[entry.api_name]
+    hints = typing.get_type_hints(entry.config_cls)
+    overrides = dict(entry.config_cls.api_defaults)
+    taken = {f.name for f in dataclasses.fields(FitSettings)}
+    fields = []
+    for f in dataclasses.fields(entry.config_cls):
+        if f.name == "name":
+            continue
+        if f.name in taken:
+            raise ValidationError(f"{entry.config_cls.__name__}.{f.name}", "is a field of the private-training "
+                                  "settings (dporl.api.FitSettings) too: rename the hyper-parameter")
+        if f.name in overrides:
+            default = overrides[f.name]
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()
+        fields.append((f.name, hints[f.name], field(default_factory=lambda value=default: copy.deepcopy(value))))
+    cls = dataclasses.make_dataclass(entry.api_name, fields, bases=(FitSettings,), namespace={
+        "algorithm_name": entry.name,
+        "__doc__": f"{entry.summary}: private training settings (``dporl.api.FitSettings``) and "
+                   f"{entry.config_cls.__name__}'s hyper-parameters. ``create(dataset).fit(run_dir=...)``.",
+    })
+    cls.__module__ = __name__
+    _API_CONFIGS[entry.api_name] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """The API config classes of the registered algorithms (``dporl.api.DiscreteCQLConfig``, ...)."""
+    for entry in registry.entries():
+        if entry.api_name == name:
+            return api_config(entry)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,9 @@
 """The ``dporl`` command (installed by ``pip install .``; also ``python -m dporl``).
 
     dporl train --config configs/X.yaml [--resume | --overwrite] [--json] [key=value ...]
+    dporl tune --config configs/X.yaml --space S.yaml [--resume | --overwrite] [--json] [key=value | tune.key=value ...]
+    dporl sweep --config configs/sweep_X.yaml [--from-runs RUNS_CSV ...] [key=value ...]
+    dporl list                                  the pipelines, algorithms and methods dporl knows
     dporl evaluate --run RUN [--episodes 100] [--seed 12345] [--env ENV_ID] [--json]
     dporl evaluate --policy RUN/release/policy | --checkpoint RUN/curator/checkpoints/last.pt
     dporl audit (--all | --mechanism NAME | --config C | --neighbours C | --list) [--trials N] ...  (``python -m dporl.audit``)
@@ -14,6 +17,12 @@ found there if its provenance (config and input hashes) equals this one's and na
 ``--overwrite`` replaces it after the new config and inputs were validated. stdout ends with the headline metrics
 and the guarantee; the full config and summaries go to the run directory (``--json`` prints the whole public
 summary instead). Share ``RUN/release/``; never share ``RUN/curator/``.
+
+``sweep``: a "train" config over budgets x methods x seeds (``dporl.pipelines.sweep``); ``--from-runs`` tabulates
+earlier sweeps' runs instead of running.
+
+``list``: every pipeline, every registered algorithm (``dporl.algos.registry``: its loss form, the batch keys it
+reads, the policy it releases, its Python API config) and every method (``dporl.methods``).
 
 ``evaluate``: returns of a released policy in its public simulator, from ``RUN/release/`` alone (post-processing: no
 privacy cost); ``--checkpoint`` rescores a curator checkpoint with its pipeline's hook.
@@ -38,7 +47,7 @@ from dporl.utils.validation import ValidationError
 
 # ---------------------------------------------------------------------------------------------------- train
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML file naming a pipeline (expert_cql, dataset, ope, fnq)")
+    parser.add_argument("--config", required=True, help="YAML file naming a pipeline (see dporl list)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_const", const="resume", dest="mode",
                       help="continue the run in the run directory (same config and inputs only)")
@@ -57,7 +66,21 @@ def train(args: argparse.Namespace) -> int:
         pipeline = get_pipeline(data.get("pipeline"))
         return pipeline.run(from_dict(pipeline.config_cls, data), mode=args.mode or "new")
 
-    return run_cli(work, as_json=args.json)
+    return run_cli(work, as_json=args.json, resume_command=resume_command())
+
+
+def resume_command(argv: Optional[list[str]] = None) -> str:
+    """The command line that continues this run: the one that started it (``sys.orig_argv``: ``python -m dporl``,
+    ``dporl`` or ``train.py``) with ``--overwrite`` / ``--resume`` replaced by one ``--resume``."""
+    import shlex
+
+    words = list(sys.orig_argv if argv is None else argv)
+    if len(words) > 1 and Path(words[1]).name == "dporl":  # the installed console script
+        words = ["dporl", *words[2:]]
+    elif words and Path(words[0]).name.startswith("python"):
+        words[0] = "python"
+    kept = [w for w in words if w not in ("--overwrite", "--resume")]
+    return shlex.join(kept + ["--resume"])
 
 
 def train_main(argv: Optional[list[str]] = None, prog: str = "dporl train") -> int:
@@ -70,6 +93,21 @@ def _standalone(add_arguments, command, argv: Optional[list[str]], prog: str) ->
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return command(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------------------------------------------- tune
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    add_train_arguments(parser)
+    parser.add_argument("--space", required=True, help="YAML search space and search settings (dporl.tuning.config)")
+
+
+def tune(args: argparse.Namespace) -> int:
+    """A private hyperparameter search (``dporl.tuning``): one guarantee over every trial and the selection."""
+    from dporl.pipelines import run_cli
+    from dporl.tuning import tune as run_tune
+
+    return run_cli(lambda: run_tune(args.config, args.space, mode=args.mode or "new", overrides=args.overrides),
+                   as_json=args.json)
 
 
 # ---------------------------------------------------------------------------------------------------- evaluate
@@ -297,6 +335,29 @@ def write_example(args: argparse.Namespace) -> dict:
             "actions": "2 (0 = wait, 1 = treat): declare it (columns.actions: 2, read_table(..., actions=2))"}
 
 
+# ---------------------------------------------------------------------------------------------------- list
+def listing() -> str:
+    """What ``dporl list`` prints: the pipelines, the registered algorithms and the methods, each with one line."""
+    from dporl.algos.registry import entries
+    from dporl.methods.reward_level import METHODS as REWARD_LEVEL
+    from dporl.methods.unit_level import METHODS as UNIT_LEVEL
+    from dporl.pipelines import PIPELINES
+
+    lines = ["pipelines (pipeline: NAME):"]
+    lines += [f"  {name:12s} {summary}" for name, (_, summary) in sorted(PIPELINES.items())]
+    lines.append("algorithms of the train pipeline (algorithm: NAME):")
+    for entry in entries():
+        d = entry.declaration
+        lines.append(f"  {entry.name:12s} {entry.summary}")
+        lines.append(f"  {'':12s} {entry.algorithm_cls.__name__}; loss: {d.loss_form.value}; reads "
+                     f"{', '.join(d.batch_keys)}; releases {d.policy_kind}; Python API: dporl.{entry.api_name}")
+    lines.append("methods of the train pipeline (method: NAME):")
+    lines += [f"  {m.name:12s} {m.label}" for m in UNIT_LEVEL.values()]
+    lines.append("methods of the fnq pipeline (methods: [NAME, ...]):")
+    lines += [f"  {m.name:18s} {m.label}" for m in REWARD_LEVEL.values()]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -304,18 +365,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         from dporl.audit.__main__ import main as audit_main
 
         return audit_main(argv[1:], prog="dporl audit")
+    if argv and argv[0] == "sweep":  # its own parser (dporl.pipelines.sweep)
+        from dporl.pipelines.sweep import main as sweep_main
+
+        return sweep_main(argv[1:], prog="dporl sweep")
     parser = argparse.ArgumentParser(prog="dporl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(commands.add_parser("train", help="run a pipeline config (private training + evaluation)"))
+    add_tune_arguments(commands.add_parser("tune", help="private hyperparameter search: the best of a random "
+                                           "number of private runs, one guarantee"))
+    commands.add_parser("sweep", help="a train config over budgets x methods x seeds (see dporl sweep --help)")
+    commands.add_parser("list", help="the pipelines, algorithms and methods dporl knows")
     add_evaluate_arguments(commands.add_parser("evaluate", help="returns of a released policy in its simulator"))
     commands.add_parser("audit", help="audit the privacy claims empirically (see dporl audit --help)")
     add_data_arguments(commands.add_parser("data", help="inspect a dataset (curator-only) or write an example"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args)
+    if args.command == "tune":
+        return tune(args)
     if args.command == "evaluate":
         return evaluate(args)
+    if args.command == "list":
+        print(listing())
+        return 0
     return data(args)
 
 

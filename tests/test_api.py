@@ -27,7 +27,7 @@ def test_every_public_name_resolves_and_is_listed():
     assert set(dporl.__all__) >= {
         "TrajectoryDataset", "read_table", "read_minari", "to_frame", "grouped_by", "dataset_unit", "UnitPartition",
         "CQLConfig", "DiscreteCQLConfig", "Trainer", "PrivacyLedger", "dp_importance_sampling", "dp_fqe",
-        "dp_doubly_robust", "OPEResult", "load_policy", "save_policy", "GreedyQPolicy",
+        "dp_doubly_robust", "OPEResult", "load_policy", "save_policy", "GreedyPolicy",
     }
     for name in dporl.__all__:
         assert getattr(dporl, name) is not None, name

@@ -43,11 +43,11 @@ def test_bad_requests_exit_2_with_the_field_named(tmp_path, capsys):
     assert not (tmp_path / "audit.json").exists()
 
 
-def test_config_audit_of_an_expert_cql_run(tmp_path, capsys):
+def test_config_audit_of_a_train_run(tmp_path, capsys):
     pytest.importorskip("dporl.privacy.sparse_vector")
     config = tmp_path / "run.yaml"
     config.write_text(
-        "pipeline: expert_cql\nmethod: mixed\nepsilon: 10.0\ndelta: 1.0e-5\nbatch_size: 20\n"
+        "pipeline: train\nmethod: mixed\nepsilon: 10.0\ndelta: 1.0e-5\nbatch_size: 20\n"
         "release: {trajectories: 2}\ndp: {noise_multiplier: 1.0, p_dp: 0.5}\ntrainer: {max_steps: 100}\n"
     )
     out = tmp_path / "audit.json"
@@ -97,7 +97,7 @@ def test_config_audit_attacks_the_configs_own_fixed_data(tmp_path):
     for source in ("fresh", "logged"):
         config = tmp_path / f"{source}.yaml"
         config.write_text(
-            f"pipeline: expert_cql\nmethod: stable_only\nepsilon: 2.0\ndelta: 1.0e-5\n"
+            f"pipeline: train\nmethod: stable_only\nepsilon: 2.0\ndelta: 1.0e-5\n"
             f"data: {{dataset: {tmp_path / 'data.npz'}, expert_set: {tmp_path / 'experts.pt'}}}\n"
             f"release: {{trajectories: 2, source: {source}}}\n"
         )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from dporl.privacy import accountants
 from dporl.privacy.accountants import epsilon_for
 from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
-from dporl.privacy.events import ApproxDPEvent, MixtureEvent, PoissonGaussianEvent
+from dporl.privacy.events import ApproxDPEvent, LaplaceEvent, MixtureEvent, PoissonGaussianEvent
+from dporl.privacy.pld import history_interval
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
 DELTA = 1e-5
@@ -115,15 +119,17 @@ def test_max_steps_matches_the_exact_answer_on_a_grid_with_few_evaluations(mecha
 
 
 def _counting(monkeypatch):
+    """The analyses a search evaluates, in order ("pld, coarse grid" for its first PLD pass)."""
     import dporl.privacy.calibration as calibration
 
     calls = []
+    evaluate = calibration._evaluate
 
     def counting(events, delta, analysis):
         calls.append(analysis)
-        return epsilon_for(events, delta, analysis)
+        return evaluate(events, delta, analysis)
 
-    monkeypatch.setattr(calibration, "epsilon_for", counting)
+    monkeypatch.setattr(calibration, "_evaluate", counting)
     return calls
 
 
@@ -162,3 +168,139 @@ def test_sigma_search_uses_few_evaluations(mechanism, monkeypatch):
         assert epsilon_for([(PoissonGaussianEvent(sigma, rate), steps)], DELTA, mechanism) <= target
         assert epsilon_for([(PoissonGaussianEvent(sigma / 1.001, rate), steps)], DELTA, mechanism) > target
         assert len(calls) <= 10, (rate, steps, len(calls))  # bracketing from sigma = 1 and bisecting took ~14
+
+
+# ----------------------------------------------------------------------------- tightness against dp_accounting
+def _referee_pld(history, interval):
+    """dp_accounting's own pessimistic PLD of a history of Poisson Gaussian, mixture, Laplace and (eps, delta)
+    events on ``interval``, built from its primitives only (``from_gaussian_mechanism``, ``compute_mixture``,
+    ``from_laplace_mechanism``, ``from_privacy_parameters``), composed by its ``self_compose`` / ``compose``."""
+    from dp_accounting.pld import common
+    from dp_accounting.pld import privacy_loss_distribution as plds
+
+    def single(event):
+        if isinstance(event, MixtureEvent):
+            return single(event.event).compute_mixture(plds.identity(interval), event.probability)
+        if isinstance(event, PoissonGaussianEvent):
+            return plds.from_gaussian_mechanism(event.noise_multiplier, sampling_prob=event.sample_rate,
+                                                value_discretization_interval=interval)
+        if isinstance(event, LaplaceEvent):
+            return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=interval)
+        return plds.from_privacy_parameters(common.DifferentialPrivacyParameters(event.epsilon, event.delta),
+                                            value_discretization_interval=interval)
+
+    composed = None
+    for event, count in history:
+        part = single(event)
+        if count > 1:  # dp_accounting's dense path directly (its sparse one computes size ** count exactly)
+            part = plds.PrivacyLossDistribution(part._pmf_remove.to_dense_pmf().self_compose(count),
+                                                part._pmf_add.to_dense_pmf().self_compose(count))
+        composed = part if composed is None else composed.compose(part)
+    return composed
+
+
+def _referee_epsilon(history, delta, interval):
+    return _referee_pld(history, interval).get_epsilon_for_delta(delta)
+
+
+def _finer_than_both(history):
+    """A grid nested in dporl's (half of it) and at most the referee's 1e-4."""
+    return min(1e-4, history_interval([event for event, _ in history]) / 2)
+
+
+def _assert_tight_sigma(sigma, target, delta, history_at):
+    """``sigma`` fits the budget under dp_accounting on a grid finer than dporl's and the referee's (an upper
+    bound), and 1% less noise does not fit under dp_accounting's 1e-4 grid: sigma <= 1.01 x the referee's
+    smallest sigma (the referee's epsilon falls with sigma)."""
+    assert _referee_epsilon(history_at(sigma), delta, _finer_than_both(history_at(sigma))) <= target
+    assert _referee_epsilon(history_at(sigma / 1.01), delta, 1e-4) > target
+
+
+def test_calibrated_sigma_at_long_runs_is_within_one_percent_of_the_fine_grid_and_fits():
+    # The issue's point: q = 1e-3, 1e5 steps, eps 1. A 1e-3 grid answers 1.530 (which really spends eps 0.855);
+    # dp_accounting's 1e-4 grid needs 1.366.
+    steps, rate = 100_000, 1e-3
+    sigma = calibrate_noise_multiplier(1.0, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
+                                       mechanism="pld")
+    assert 1.35 < sigma < 1.38
+    _assert_tight_sigma(sigma, 1.0, DELTA, lambda s: [(PoissonGaussianEvent(s, rate), steps)])
+
+
+@pytest.mark.parametrize("rate,steps,target,delta", [
+    (1e-2, 20_000, 1.0, 1e-5), (0.1, 300, 10.0, 1e-5), (1e-3, 3_000, 0.5, 1e-7), (0.05, 50_000, 3.0, 1e-6),
+])
+def test_calibrated_sigma_is_an_upper_bound_and_tight_at_several_points(rate, steps, target, delta):
+    sigma = calibrate_noise_multiplier(target, delta, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
+                                       mechanism="pld")
+    _assert_tight_sigma(sigma, target, delta, lambda s: [(PoissonGaussianEvent(s, rate), steps)])
+
+
+def test_calibration_with_mixture_steps_and_a_shared_budget_prior_is_tight():
+    # The quickstart's shape: 25 (eps', delta') release runs already spent, then Algorithm 3's mixture steps
+    # calibrated so that one joint PLD over both fits the run's budget (PrivacyLedger.shared_budget's prior).
+    release = [(ApproxDPEvent(0.2299972782053064, 1e-7), 25)]
+    steps, target, delta = 2_000, 10.0, 1e-5
+
+    def make(sigma):
+        return MixtureEvent(0.1, PoissonGaussianEvent(sigma, 0.256))
+
+    sigma = calibrate_noise_multiplier(target, delta, steps, make_event=make, mechanism="pld", prior=release)
+    _assert_tight_sigma(sigma, target, delta, lambda s: release + [(make(s), steps)])
+    # A Laplace release beside long Poisson steps at a small rate (a fine grid for the steps).
+    prior = [(LaplaceEvent(4.0), 3)]
+    sigma = calibrate_noise_multiplier(2.0, delta, 30_000, make_event=lambda s: PoissonGaussianEvent(s, 2e-3),
+                                       mechanism="pld", prior=prior)
+    _assert_tight_sigma(sigma, 2.0, delta, lambda s: prior + [(PoissonGaussianEvent(s, 2e-3), 30_000)])
+
+
+def _assert_tight_steps(n, target, delta, history_at):
+    """n steps fit under dp_accounting on a grid finer than dporl's and the referee's, and 1% more steps do not fit
+    under dp_accounting's 1e-4 grid: n >= the referee's largest count / 1.01."""
+    assert _referee_epsilon(history_at(n), delta, _finer_than_both(history_at(n))) <= target
+    assert _referee_epsilon(history_at(math.ceil(n * 1.01)), delta, 1e-4) > target
+
+
+def test_max_steps_at_long_runs_is_within_one_percent_of_the_fine_grid_and_fits():
+    # The issue's point: sigma 1, q = 1e-3, eps 6. A 1e-3 grid allows 900,414 steps; 991,688 fit on a 1e-4 grid.
+    event = PoissonGaussianEvent(1.0, 1e-3)
+    n = max_steps(event, 6.0, DELTA, mechanism="pld")
+    assert 985_000 < n < 995_000
+    _assert_tight_steps(n, 6.0, DELTA, lambda k: [(event, k)])
+    # With a mixture step and a prior, at another delta.
+    prior = [(ApproxDPEvent(0.05, 1e-8), 10)]
+    mixture = MixtureEvent(0.5, PoissonGaussianEvent(2.0, 5e-3))
+    n = max_steps(mixture, 1.5, 1e-6, mechanism="pld", prior=prior)
+    assert n > 10_000
+    _assert_tight_steps(n, 1.5, 1e-6, lambda k: prior + [(mixture, k)])
+
+
+def test_long_run_calibrations_take_few_evaluations_on_bounded_grids(monkeypatch):
+    """The cost of a calibration, without a clock: the real analysis runs a handful of times (the coarse grid finds
+    the answer first), and no composed PLD exceeds a few hundred thousand points, from 1e2 to 1e6 steps."""
+    import dporl.privacy.calibration as calibration
+    from dporl.privacy import pld
+
+    calls, sizes = [], []
+    evaluate, compose = calibration._evaluate, pld.compose
+
+    def counting(events, delta, analysis):
+        calls.append(analysis)
+        return evaluate(events, delta, analysis)
+
+    def measuring(counts, *args, **kwargs):
+        result = compose(counts, *args, **kwargs)
+        sizes.append(max(result._pmf_remove.size, result._pmf_add.size))
+        return result
+
+    monkeypatch.setattr(calibration, "_evaluate", counting)
+    monkeypatch.setattr(accountants, "compose", measuring)
+    for rate, steps, target in [(1e-3, 100, 1.0), (1e-3, 100_000, 1.0), (1e-2, 1_000_000, 10.0),
+                                (0.1, 1_000_000, 1.0)]:
+        calls.clear()
+        sigma = calibrate_noise_multiplier(target, DELTA, steps, make_event=lambda s: PoissonGaussianEvent(s, rate),
+                                           mechanism="pld")
+        assert calls.count("pld") <= 4 and len(calls) <= 12, (rate, steps, calls)
+        calls.clear()
+        max_steps(PoissonGaussianEvent(float(f"{sigma:.3g}"), rate), target, DELTA, mechanism="pld")
+        assert calls.count("pld") <= 6 and len(calls) <= 12, (rate, steps, calls)
+    assert max(sizes) < 1_000_000

@@ -272,7 +272,7 @@ def test_fingerprint_hashes_the_same_bytes_in_chunks(monkeypatch):
 def test_a_run_on_a_mapped_file_equals_the_run_on_the_read_file(tmp_path):
     from test_expert_cql import config, log_lqr_experts
 
-    from dporl.pipelines.expert_cql import run
+    from dporl.pipelines.train import run
     from dporl.utils.io import load_weights
 
     (tmp_path / "logged").mkdir()
@@ -292,10 +292,10 @@ def test_a_run_on_a_mapped_file_equals_the_run_on_the_read_file(tmp_path):
 
 
 def test_mmap_applies_to_npz_files_only():
-    from dporl.pipelines.expert_cql import ExpertCQLConfig
+    from dporl.pipelines.train import TrainPipelineConfig
     from dporl.utils.config import from_dict
 
     for data in ({"format": "minari", "path": "d-v0", "unit": "u", "mmap": True}, {"path": "d.npz", "mmap": "yes"}):
         with pytest.raises(ValidationError) as info:
-            from_dict(ExpertCQLConfig, {"data": data})
+            from_dict(TrainPipelineConfig, {"data": data})
         assert info.value.field == "data.mmap"

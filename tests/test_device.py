@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.privacy.dpsgd import DPSGDEngine
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.noise import NoiseSource
@@ -42,8 +43,11 @@ def test_trainer_refuses_an_unavailable_device_before_writing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-class _QNet(nn.Module):
+class _QNet(PrivateAlgorithm):
     privacy_unit = "expert"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("obs", "actions", "rewards")
+    policy_kind = None
 
     def __init__(self):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Pipeline "expert_cql": methods end to end on a tiny CartPole expert pool, budgets, accounting, refusals."""
+"""Pipeline "train" with CQL: methods end to end on a tiny CartPole expert pool, budgets, accounting, refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dporl.experts.analytic import cartpole_lqr_experts
 from dporl.experts.collect import collect
 from dporl.experts.expert_set import ExpertSet
 from dporl.pipelines import get_pipeline
-from dporl.pipelines.expert_cql import TRAIN_STAGE, ExpertCQLConfig, run
+from dporl.pipelines.train import TRAIN_STAGE, TrainPipelineConfig, run
 from dporl.privacy.calibration import calibrate_noise_multiplier
 from dporl.privacy.events import MixtureEvent, PoissonGaussianEvent
 from dporl.utils.config import from_dict, to_dict
@@ -38,9 +38,9 @@ def logged(tmp_path_factory):
     return log_lqr_experts(tmp_path_factory.mktemp("logged"), {"data.npz": 0})
 
 
-def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
+def config(logged, tmp_path, **overrides) -> TrainPipelineConfig:
     base = {
-        "pipeline": "expert_cql",
+        "pipeline": "train",
         "run_dir": str(tmp_path / "run"),
         "epsilon": 10.0,
         "delta": 1e-5,
@@ -51,11 +51,11 @@ def config(logged, tmp_path, **overrides) -> ExpertCQLConfig:
         "data": {"dataset": str(logged / "data.npz"), "expert_set": str(logged / "experts.pt")},
         "release": {"trajectories": 5},
         "dp": {"noise_multiplier": 1.0, "p_dp": 0.5},
-        "cql": {"hidden_sizes": [16]},
+        "algorithm": {"name": "cql", "hidden_sizes": [16]},
         "trainer": {"max_steps": 30, "eval_every": 15, "log_every": 10, "checkpoint_every": 15, "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 50},
     }
-    return from_dict(ExpertCQLConfig, with_overrides(base, overrides))
+    return from_dict(TrainPipelineConfig, with_overrides(base, overrides))
 
 
 def with_metadata(data: TrajectoryDataset, **changes) -> TrajectoryDataset:
@@ -168,12 +168,12 @@ def test_mixed_training_is_calibrated_to_the_whole_run_budget(logged, tmp_path, 
 
     # The config audit attacks the noise the run added, not the fixed split's: with the data on disk (planned on
     # them) and from public quantities alone (m, p_min: the release's events depend on nothing else).
-    from dporl.audit.config_audit import expert_cql_audits
+    from dporl.audit.config_audit import train_audits
 
     settings = to_dict(cfg)
-    on_disk = expert_cql_audits(settings)[0]
+    on_disk = train_audits(settings)[0]
     settings["data"] = {**settings["data"], "dataset": str(tmp_path / "absent.npz")}
-    from_public = expert_cql_audits(settings, n_experts=M, p_min=P_MIN)[0]
+    from_public = train_audits(settings, n_experts=M, p_min=P_MIN)[0]
     for audit in (on_disk, from_public):
         assert audit.name == "mixture"
         assert audit.settings["noise_multiplier"] == pytest.approx(summary["noise_multiplier"], rel=1e-12)
@@ -298,7 +298,7 @@ def test_evaluate_py_from_the_release_alone(logged, tmp_path, capsys):
 
 
 def test_registered_and_refusals(logged, tmp_path):
-    assert get_pipeline("expert_cql").config_cls is ExpertCQLConfig
+    assert get_pipeline("train").config_cls is TrainPipelineConfig
     with pytest.raises(ValidationError) as info:
         config(logged, tmp_path, data={"dataset": None})
     assert info.value.field == "data"
@@ -353,9 +353,9 @@ def test_shipped_configs_parse():
     configs = sorted(root.glob("expert_cql_*.yaml"))
     assert len(configs) >= 9
     for path in configs:
-        parsed = from_dict(ExpertCQLConfig, load_yaml(path))
+        parsed = from_dict(TrainPipelineConfig, load_yaml(path))
         if parsed.data.generate is not None:
             from_dict(DatasetConfig, {"pipeline": "dataset", **parsed.data.generate})
     for path in sorted(root.glob("sweep_*.yaml")):
         sweep = from_dict(SweepConfig, load_yaml(path))
-        from_dict(ExpertCQLConfig, load_yaml(root.parent / sweep.base))
+        from_dict(TrainPipelineConfig, load_yaml(root.parent / sweep.base))

@@ -179,17 +179,17 @@ def _pipeline_config(tmp_path, **overrides):
 def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     import json
 
-    methods = ["nonprivate", "random_policy", "untrained", "fnq", "fnq_paper", "input_perturbation", "dpsgd"]
+    methods = ["non_private", "random_policy", "untrained", "fnq", "fnq_paper", "input_perturbation", "dp_sgd"]
     pipeline, config = _pipeline_config(tmp_path, methods=methods, epsilons=[0.9], delta=1e-4, reset_factors=[4])
     summary = pipeline.run(config)
     results = json.loads((tmp_path / "curator" / "results.json").read_text())
     rows = {row["label"]: row for row in results["rows"]}
     assert set(rows) == set(summary["guarantees"]) == {
-        "nonprivate", "random_policy", "untrained", "fnq_eps0.9", "fnq_paper_eps0.9", "input_perturbation_eps0.9",
-        "dpsgd_eps0.9"}
+        "non_private", "random_policy", "untrained", "fnq_eps0.9", "fnq_paper_eps0.9", "input_perturbation_eps0.9",
+        "dp_sgd_eps0.9"}
     runs = {r["label"]: r for r in results["runs"]}
     # The sound methods carry a GUARANTEE at the budget, unit "reward", neighbours by bounded change.
-    for label in ("fnq_eps0.9", "input_perturbation_eps0.9", "dpsgd_eps0.9"):
+    for label in ("fnq_eps0.9", "input_perturbation_eps0.9", "dp_sgd_eps0.9"):
         guarantee = runs[label]["ledger"]["guarantee"]
         assert guarantee["epsilon"] <= 0.9 * (1 + 1e-9) and guarantee["unit"] == "reward", label
         assert guarantee["relation"] == "every record moved by at most a bounded amount"
@@ -206,7 +206,7 @@ def test_pipeline_compares_methods_at_one_certified_budget(tmp_path):
     assert paper["privacy"]["delta_total"] <= 1e-4 and paper["privacy"]["reset_factor"] == 4
     assert paper["sigma"] == pytest.approx(paper["privacy"]["sigma"])
     assert rows["fnq_paper_eps0.9"]["guarantee"].startswith("NO GUARANTEE")
-    assert rows["nonprivate"]["guarantee"] == "NO GUARANTEE"
+    assert rows["non_private"]["guarantee"] == "NO GUARANTEE"
     assert rows["random_policy"]["guarantee"].startswith("data-free")
     assert "90% of non-private" in (tmp_path / "curator" / "table.md").read_text()
     # What the command line prints is public: the guarantees, never a return (computed from the protected rewards).
@@ -253,7 +253,7 @@ def test_pipeline_refuses_what_it_cannot_certify(tmp_path):
 
     base = {"pipeline": "fnq", "run_dir": str(tmp_path), "samples": 64, "batch_size": 32, "progress": False}
     with pytest.raises(ValidationError, match="methods"):  # a sweep runs the paper's mechanism only
-        pipeline.run(from_dict(pipeline.config_cls, {**base, "methods": ["fnq_paper", "dpsgd"], "beta": 10.0}))
+        pipeline.run(from_dict(pipeline.config_cls, {**base, "methods": ["fnq_paper", "dp_sgd"], "beta": 10.0}))
     with pytest.raises(ValidationError, match="epsilons"):  # Theorem 5 is one-dimensional
         pipeline.run(from_dict(pipeline.config_cls, {
             **base, "env_id": "CartPole-v1", "state_low": [-2.4, -3, -0.21, -3.5], "state_high": [2.4, 3, 0.21, 3.5],

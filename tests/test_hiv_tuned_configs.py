@@ -13,7 +13,7 @@ import pytest
 from pathlib import Path
 
 from dporl.pipelines.dataset import DatasetConfig
-from dporl.pipelines.expert_cql import ExpertCQLConfig
+from dporl.pipelines.train import TrainPipelineConfig
 from dporl.pipelines.sweep import SweepConfig, run as run_sweep
 from dporl.utils.config import apply_overrides, from_dict, load_yaml, to_dict
 
@@ -28,7 +28,7 @@ TINY = [
     "data.generate.trajectories_per_expert=1",
     "data.generate.progress=false",
     "release.trajectories=2",
-    "cql.hidden_sizes=[16]",
+    "algorithm.hidden_sizes=[16]",
     "trainer.max_steps=6",
     "trainer.eval_every=3",
     "trainer.checkpoint_every=3",
@@ -40,11 +40,11 @@ TINY = [
 
 
 def test_tuned_config_keeps_private_data_and_changes_only_the_learner():
-    tuned = from_dict(ExpertCQLConfig, load_yaml(CONFIGS / "expert_cql_hiv_tuned.yaml"))
-    old = from_dict(ExpertCQLConfig, load_yaml(CONFIGS / "expert_cql_hiv.yaml"))
+    tuned = from_dict(TrainPipelineConfig, load_yaml(CONFIGS / "expert_cql_hiv_tuned.yaml"))
+    old = from_dict(TrainPipelineConfig, load_yaml(CONFIGS / "expert_cql_hiv.yaml"))
     # Same private data and release: the tuning read only the public dataset below.
     assert tuned.data.generate == old.data.generate and to_dict(tuned.release) == to_dict(old.release)
-    assert tuned.cql.alpha == 0.05 and old.cql.alpha == 1.0
+    assert tuned.algorithm.alpha == 0.05 and old.algorithm.alpha == 1.0
     public = from_dict(DatasetConfig, load_yaml(CONFIGS / "dataset_hiv_public_tune.yaml"))
     private = from_dict(DatasetConfig, {"pipeline": "dataset", **old.data.generate})
     # The public tuning data are the same generation under other seeds (never the private data's).

@@ -24,7 +24,7 @@ import yaml
 
 from dporl.data.dataset import TrajectoryDataset
 from dporl.experts.expert_set import ExpertSet
-from dporl.train.export import GreedyQPolicy, save_policy
+from dporl.train.export import GreedyPolicy, save_policy
 from dporl.utils.validation import ValidationError
 from test_dataset import make_dataset
 from test_expert_cql import log_lqr_experts
@@ -59,10 +59,10 @@ def logged(tmp_path_factory):
 
 def _train_config(logged: Path, run_dir: Path, **data) -> dict:
     return {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
         "batch_size": 16, "noise_seed": 1,
         "data": {"dataset": str(logged / "data.npz"), **data},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 4, "eval_every": 4, "log_every": 4, "checkpoint_every": 4, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},  # no evaluation: these runs test their files
     }
@@ -83,7 +83,7 @@ def _members_of(path: Path) -> dict:
 def test_evaluate_never_imports_the_module_a_policy_names(tmp_path, env_id):
     marker = _plant_marker(tmp_path)
     policy = tmp_path / "policy"
-    save_policy(GreedyQPolicy(4, [8], 2), policy, env_id=env_id)
+    save_policy(GreedyPolicy(4, [8], 2), policy, env_id=env_id)
     result = _dporl(tmp_path, "evaluate", "--policy", str(policy), "--episodes", "1", "--no-progress")
     _refused(result, "policy.env_id")
     assert not marker.exists()
@@ -93,7 +93,7 @@ def test_evaluate_never_imports_the_module_a_policy_names(tmp_path, env_id):
 def test_evaluate_refuses_a_module_in_the_env_flag_too(tmp_path):
     marker = _plant_marker(tmp_path)
     policy = tmp_path / "policy"
-    save_policy(GreedyQPolicy(4, [8], 2), policy, env_id="CartPole-v1")
+    save_policy(GreedyPolicy(4, [8], 2), policy, env_id="CartPole-v1")
     _refused(_dporl(tmp_path, "evaluate", "--policy", str(policy), "--env", "policy_env:CartPole-v1", "--episodes",
                     "1", "--no-progress"), "env")
     assert not marker.exists()
@@ -362,7 +362,7 @@ def _nested(depth: int) -> str:
 
 def test_deeply_nested_policy_json_is_a_named_error(tmp_path):
     policy = tmp_path / "policy"
-    save_policy(GreedyQPolicy(4, [8], 2), policy, env_id="CartPole-v1")
+    save_policy(GreedyPolicy(4, [8], 2), policy, env_id="CartPole-v1")
     spec = json.loads((policy / "policy.json").read_text())
     text = json.dumps({**spec, "extra": "@"}).replace('"@"', _nested(200_000))
     (policy / "policy.json").write_text(text)

@@ -34,10 +34,10 @@ def logged(tmp_path_factory):
 
 def _config(logged: Path, run_dir: Path, **sections) -> dict:
     config = {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(run_dir), "epsilon": 10.0, "delta": 1e-5,
         "batch_size": 16, "noise_seed": 1,
         "data": {"dataset": str(logged / "data.npz")},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 4, "eval_every": 4, "log_every": 4, "checkpoint_every": 4, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},  # no evaluation: these runs test their files
     }
@@ -103,7 +103,7 @@ def test_a_full_disk_during_torch_save_is_a_named_error_and_leaves_no_temporary_
         _FullDisk(real_open(path, mode, *a, **k), room) if "w" in mode else real_open(path, mode, *a, **k)),
         raising=False)
     payload = {"pipeline": "p", "config_sha256": "0", "step": 1, "budget_steps": 2, "algorithm": {"w": torch.ones(512)},
-               "optimizer": {}, "scheduler": {}, "eval_history": [], "rng": {}}
+               "optimizer": {}, "scheduler": {}, "eval_history": [], "rng": {}, "journal": {"seq": 0, "charged": {}}}
     with pytest.raises(io.DiskFullError) as refused:
         save_checkpoint(target, payload)
     assert refused.value.field == "disk" and "last.pt" in str(refused.value)
@@ -152,7 +152,7 @@ def tiny_tmpfs(tmp_path):
 
 def test_a_run_on_a_full_file_system_is_a_named_error_with_no_temporary_file_left(logged, tmp_path, tiny_tmpfs):
     run = tiny_tmpfs / "run"
-    result = _train(tmp_path, _config(logged, run, cql__hidden_sizes=[256, 256], trainer__max_steps=8,
+    result = _train(tmp_path, _config(logged, run, algorithm__hidden_sizes=[256, 256], trainer__max_steps=8,
                                       trainer__checkpoint_every=2))
     _refused(result, "disk")
     assert _temporary_files(tiny_tmpfs) == []
@@ -208,18 +208,25 @@ def test_accountant_calls_on_tiny_noise_answer_without_building_huge_grids():
 
 
 def test_grids_are_sized_from_the_event_before_they_are_built():
-    from dporl.privacy.accountants import PLD_DISCRETIZATION, event_pld, pld_grid_points, predicted_composed_points
-    from dporl.privacy.events import LaplaceEvent, MixtureEvent, PoissonGaussianEvent
+    from dporl.privacy.events import LaplaceEvent, MixtureEvent, PoissonGaussianEvent, ReplaceOneEvent
+    from dporl.privacy.pld import COARSEST, event_pld, event_points, history_interval
+    from dporl.privacy.pld_fft import plan_self_composition, self_compose_planned
 
     for event in (PoissonGaussianEvent(0.3, 0.25), PoissonGaussianEvent(2.0, 1.0), MixtureEvent(0.1, PoissonGaussianEvent(
-            0.5, 0.1)), LaplaceEvent(0.05)):
-        built = event_pld(event)
-        assert max(built._pmf_remove.size, built._pmf_add.size) <= pld_grid_points(event)  # an upper estimate
+            0.5, 0.1)), LaplaceEvent(0.05), ReplaceOneEvent(PoissonGaussianEvent(0.7, 0.05)),
+            ReplaceOneEvent(LaplaceEvent(0.5))):
+        interval = history_interval([event])  # the adaptive grid the event is analysed on
+        built = event_pld(event, interval)
+        assert max(built._pmf_remove.size, built._pmf_add.size) <= event_points(event, interval)  # an upper bound
     event = PoissonGaussianEvent(0.3, 0.25)
-    exact = event_pld(event).self_compose(200)
-    predicted = predicted_composed_points(event, 200)
-    assert predicted >= 0.9 * max(exact._pmf_remove.size, exact._pmf_add.size)
-    assert pld_grid_points(PoissonGaussianEvent(1e-3, 0.25)) > 0.5 / 1e-6 / PLD_DISCRETIZATION
+    single = event_pld(event, history_interval([event]))
+    for pmf in (single._pmf_remove, single._pmf_add):
+        sizes = [plan_self_composition(pmf, count)[2] for count in (1, 2, 10, 200, 201, 5000)]
+        assert sizes == sorted(sizes)  # never smaller at a larger count: refusals are monotone in counts
+        dense, window, predicted = plan_self_composition(pmf, 200)
+        exact = self_compose_planned(dense, 200, window)
+        assert exact.size <= predicted <= 1.01 * exact.size + 3
+    assert event_points(PoissonGaussianEvent(1e-3, 0.25), COARSEST) > 0.5 / 1e-6 / COARSEST
 
 
 # ------------------------------------------------------------------------------------------------ --overwrite
@@ -250,12 +257,12 @@ def test_overwrite_refuses_to_delete_an_input_that_lives_in_the_run_directory(lo
 def test_overwrite_still_regenerates_a_generation_inside_the_run_directory(tmp_path):
     """Generated data inside the run directory are the run's own output: --overwrite regenerates them."""
     config = {
-        "pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / "run"), "epsilon": 10.0,
+        "pipeline": "train", "method": "dp_sgd", "run_dir": str(tmp_path / "run"), "epsilon": 10.0,
         "delta": 1e-5, "batch_size": 2, "count_fraction": 0.5, "noise_seed": 1,  # 8 experts: a sharp count
         "data": {"generate": {"experts": {"env_id": "CartPole-v1", "family": "analytic", "points_per_axis": 2,
                                           "candidates_per_setting": 1, "keep_best": 1, "eval_episodes": 1},
                               "trajectories_per_expert": 1, "max_episode_steps": 20, "progress": False}},
-        "cql": {"hidden_sizes": [8]},
+        "algorithm": {"name": "cql", "hidden_sizes": [8]},
         "trainer": {"max_steps": 2, "eval_every": 2, "log_every": 2, "checkpoint_every": 2, "progress": False},
         "eval": {"enabled": False, "offline": {"estimator": "none"}},
     }

@@ -2,7 +2,7 @@
 same noise seed, through the code users run; every released field that differs (files under release/, the file list,
 TensorBoard, stdout, refusals) must be an output of an accounted mechanism listed in ``dporl.audit.accounted``.
 
-Neighbours: one expert removed with its policy and episodes (expert_cql on a tiny version of the quickstart's
+Neighbours: one expert removed with its policy and episodes (the train pipeline on a tiny version of the quickstart's
 generated CartPole experts), one clinician removed (the table quickstart, the Python API), one trajectory removed or
 replaced (the ope pipeline's GPOPE by its relation; DP-LSW / DP-LSL are replace-one), the reward function shifted by
 1 (fnq and its private baselines, reward level). Runs are tiny (tens of steps): what is compared is what is released,
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from dporl.algos.registry import names as registry_names
 from dporl.audit.accounted import ENTRIES, classify, registry_table
 from dporl.audit.neighbour_audit import audit_pair, check_pair
 from dporl.audit.neighbour_runs import NeighbourPair
@@ -37,7 +38,7 @@ TINY_GENERATION = ["experts.points_per_axis=4", "experts.n_settings=64", "expert
 
 def make_expert_data(directory: Path) -> dict[str, str]:
     """The quickstart's generation (analytic CartPole LQR experts, p_min 0.1), tiny: 512 experts, 1 episode each."""
-    from dporl.pipelines.expert_cql import generate_dataset
+    from dporl.pipelines.train import generate_dataset
 
     generate = apply_overrides(load_yaml(ROOT / "configs/expert_cql_quickstart.yaml")["data"]["generate"],
                                TINY_GENERATION)
@@ -53,7 +54,7 @@ def expert_data(tmp_path_factory) -> dict[str, str]:
 def quickstart(expert_data: dict[str, str], *overrides: str) -> dict[str, Any]:
     """configs/expert_cql_quickstart.yaml on the tiny data: 16 experts per step, 20 steps, 5 release runs."""
     config = apply_overrides(load_yaml(ROOT / "configs/expert_cql_quickstart.yaml"), [
-        "batch_size=16", "release.trajectories=5", "cql.hidden_sizes=[16]", "trainer.max_steps=20",
+        "batch_size=16", "release.trajectories=5", "algorithm.hidden_sizes=[16]", "trainer.max_steps=20",
         "trainer.eval_every=10", "trainer.log_every=5", "trainer.checkpoint_every=10", "trainer.progress=false",
         "eval.episodes=2", "eval.num_envs=2", "eval.max_episode_steps=30", "eval.last_evals=2", *overrides])
     config["data"] = dict(expert_data)
@@ -65,7 +66,7 @@ def table_quickstart(*overrides: str) -> dict[str, Any]:
     at eps 4 (at eps 1 the tiny folds' noisy denominators fall below zero and no value is released to compare)."""
     return apply_overrides(load_yaml(ROOT / "configs/table_quickstart.yaml"), [
         "epsilon=4.0", "batch_size=16", "data.example.units=240", "data.example.episodes_per_unit=2",
-        "dp.rows_per_expert=2", "cql.hidden_sizes=[8]", "trainer.max_steps=20",
+        "dp.rows_per_expert=2", "algorithm.hidden_sizes=[8]", "trainer.max_steps=20",
         "trainer.eval_every=10", "trainer.log_every=5", "trainer.checkpoint_every=10", "trainer.progress=false",
         "eval.offline.folds=2", "eval.offline.fqe.steps=20", "eval.offline.fqe.sample_rate=0.2",
         "eval.offline.fqe.rows_per_unit=4", "eval.offline.fqe.fqe.target_update_every=5",
@@ -141,14 +142,14 @@ FNQ_LEAK = ("a reward outside the declared reward_range stops D' with an error (
 
 # case name -> (its neighbour pair, the leak it guards against)
 PIPELINE_CASES: dict[str, tuple[Callable[..., NeighbourPair], str]] = {
-    "expert_cql/mixed": (lambda f: NeighbourPair(quickstart(f["expert_data"]), unit=7), f"{COUNT_LEAK}; {TB_LEAK}"),
-    "expert_cql/dp_sgd": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=dp_sgd"), unit=7),
+    "train/mixed": (lambda f: NeighbourPair(quickstart(f["expert_data"]), unit=7), f"{COUNT_LEAK}; {TB_LEAK}"),
+    "train/dp_sgd": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=dp_sgd"), unit=7),
                           f"{COUNT_LEAK}; {TB_LEAK}"),
-    "expert_cql/dp_sgd replace-one": (
+    "train/dp_sgd replace-one": (
         lambda f: NeighbourPair(quickstart(f["expert_data"], "method=dp_sgd", "relation=replace_one"),
                                 relation="replace", unit=7, donor=8),
         "under replace-one the number of units is public; every other difference must be the mechanisms'"),
-    "expert_cql/stable_only": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=stable_only"), unit=7),
+    "train/stable_only": (lambda f: NeighbourPair(quickstart(f["expert_data"], "method=stable_only"), unit=7),
                                TB_LEAK),
     "quickstart via dporl train (subprocess)": (
         lambda f: NeighbourPair(quickstart(f["expert_data"]), unit=7, via="cli"), f"{COUNT_LEAK}; {TB_LEAK}"),
@@ -167,17 +168,39 @@ PIPELINE_CASES: dict[str, tuple[Callable[..., NeighbourPair], str]] = {
         lambda f: NeighbourPair(_canary_config(f["canary_table"]), unit_key="canary"),
         "n_actions is read from the data (max action + 1): 3 actions with the canary, 2 without"),
     "Python API: DiscreteCQLConfig(...).create(data).fit()": (
-        lambda f: NeighbourPair({"pipeline": "expert_cql", "data": table_quickstart()["data"]}, via="api",
+        lambda f: NeighbourPair({"pipeline": "train", "data": table_quickstart()["data"]}, via="api",
                                 unit_key=f["table_units"]["train"], api=API_SETTINGS),
         f"{COUNT_LEAK}; {TB_LEAK}"),
     "fnq/fnq": (lambda f: NeighbourPair(fnq_line("fnq"), relation="reward"), FNQ_LEAK),
     "fnq/input_perturbation": (lambda f: NeighbourPair(fnq_line("input_perturbation"), relation="reward"), FNQ_LEAK),
-    "fnq/dpsgd": (lambda f: NeighbourPair(fnq_line("dpsgd"), relation="reward"), FNQ_LEAK),
+    "fnq/dp_sgd": (lambda f: NeighbourPair(fnq_line("dp_sgd"), relation="reward"), FNQ_LEAK),
     "ope/gpope add/remove": (lambda f: NeighbourPair(ope_chain("add_remove"), relation="remove", unit=4),
                              f"GPOPE's rate B / m, steps epochs * m / B and sigma come from the exact m; {TB_LEAK}"),
     "ope/gpope replace-one": (lambda f: NeighbourPair(ope_chain("replace_one"), relation="replace", unit=4, donor=5),
                               TB_LEAK),
 }
+def _with_algorithm(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """``config`` with registered algorithm ``name`` (its hidden sizes kept) and, for an algorithm without a discount
+    of its own, the evaluation's discount the config's algorithm had."""
+    from dporl.algos.registry import algorithm_config
+
+    previous = algorithm_config(config["algorithm"])
+    config = {**config, "algorithm": {"name": name, "hidden_sizes": previous.hidden_sizes}}
+    if algorithm_config(config["algorithm"]).discount() is None and previous.discount() is not None:
+        config["eval"] = {**config.get("eval", {}), "gamma": previous.discount()}
+    return config
+
+
+# Every other registered algorithm through the same two neighbour constructions: expert-level DP-SGD on the
+# quickstart's experts, and unit-level DP-SGD with the private evaluation on the table.
+for _name in [name for name in registry_names() if name != "cql"]:
+    PIPELINE_CASES[f"train/dp_sgd, algorithm {_name}"] = (
+        lambda f, n=_name: NeighbourPair(_with_algorithm(quickstart(f["expert_data"], "method=dp_sgd"), n), unit=7),
+        f"{COUNT_LEAK}; {TB_LEAK}")
+    PIPELINE_CASES[f"table, algorithm {_name}: a training clinician removed"] = (
+        lambda f, n=_name: NeighbourPair(_with_algorithm(table_quickstart(), n), unit_key=f["table_units"]["train"]),
+        f"{COUNT_LEAK}; {TB_LEAK}")
+
 API_SETTINGS = {"epsilon": 4.0, "steps": 20, "hidden_sizes": [8], "batch_size": 16, "rows_per_unit": 2,
                 "gamma": 0.95, "evaluation": {"folds": 2, "unit_clip": 5.0, "value_range": [-2.0, 1.0],
                                               "tolerance": 1e6,  # tiny folds: the noise check would refuse
@@ -350,7 +373,7 @@ def test_count_derived_fields_are_accounted_only_when_the_count_is(report, accou
     rate = _difference("release/privacy_report.json", "stages[1].events[0][0].sample_rate", 0.256, 0.25625625)
     digits = _difference("stdout", "line[3]", "GUARANTEE: (9.993, 1e-05)-DP", "GUARANTEE: (9.994, 1e-05)-DP")
     words = _difference("stdout", "line[3]", "GUARANTEE: (9.993, 1e-05)-DP", "GUARANTEE: (9.993, 1e-05)-DP; 999")
-    classified = classify([rate, digits, words], ("expert_cql/dp_sgd",), report, report)
+    classified = classify([rate, digits, words], ("train/dp_sgd",), report, report)
     assert [d for d, _ in classified.accounted] == ([rate, digits] if accounted else [])
     assert words in classified.unaccounted  # more than digits changed: never a function of the count alone
 
@@ -359,7 +382,7 @@ def test_fields_of_the_count_stage_are_accounted_by_stage_name():
     report = _report(["unit_count", "train"])
     estimate = _difference("release/privacy_report.json", "stages[0].released", 998.3, 997.1)
     other = _difference("release/privacy_report.json", "stages[1].released", 998.3, 997.1)
-    classified = classify([estimate, other], ("expert_cql/mixed",), report, report)
+    classified = classify([estimate, other], ("train/mixed",), report, report)
     assert [d for d, _ in classified.accounted] == [estimate] and classified.unaccounted == [other]
 
 
@@ -395,7 +418,7 @@ def test_a_registry_without_the_weights_entry_reports_the_weights(expert_data, t
     broken = tuple(e for e in ENTRIES if not e.files.endswith(("weights.pt", "torchscript.pt")))
     weights = [d for d, _ in full.classified.accounted if d.location.endswith("weights.pt")]
     assert weights  # accounted with the full registry
-    reclassified = classify(full.differences, ("expert_cql/stable_only",), full.sides["D"].snapshot,
+    reclassified = classify(full.differences, ("train/stable_only",), full.sides["D"].snapshot,
                             full.sides["D'"].snapshot, broken)
     assert set(map(id, weights)) <= set(map(id, reclassified.unaccounted))
 

@@ -67,7 +67,7 @@ def test_an_undeclared_action_set_is_refused_by_name_before_anything_is_written(
     with pytest.raises(ValidationError) as info:  # the Python API: refused at the import, before the file is read
         dporl.read_table(canary, **COLUMNS)
     assert info.value.field == "actions"
-    config = {"pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / "run"),
+    config = {"pipeline": "train", "method": "dp_sgd", "run_dir": str(tmp_path / "run"),
               "data": {"format": "table", "path": str(canary), "columns": COLUMNS}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
@@ -96,10 +96,10 @@ def test_a_canary_unit_changes_nothing_released_through_the_command_line(tables,
     plain, canary = tables
     released, outs = {}, {}
     for name, path in (("d", plain), ("canary", canary)):
-        config = {"pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / name), "epsilon": 1.0,
+        config = {"pipeline": "train", "method": "dp_sgd", "run_dir": str(tmp_path / name), "epsilon": 1.0,
                   "batch_size": 32, "noise_seed": 3,
                   "data": {"format": "table", "path": str(path), "columns": {**COLUMNS, "actions": 2}},
-                  "cql": {"hidden_sizes": [8], "gamma": 0.95},
+                  "algorithm": {"name": "cql", "hidden_sizes": [8], "gamma": 0.95},
                   "trainer": {"max_steps": 20, "eval_every": 10, "log_every": 5, "checkpoint_every": 10,
                               "progress": False},
                   "eval": {"offline": {"estimator": "wis", "unit_clip": 3.0, "value_range": [-2.0, 1.0]}}}
@@ -211,7 +211,7 @@ def test_release_tensorboard_files_have_neutral_names_and_no_wall_clock_time(tmp
 
 
 def test_curator_only_lines_never_reach_the_stdout_of_dporl_train(tmp_path, capsys):
-    """expert_cql generating its data first: the generator's description of the logged data (mean logged return,
+    """The train pipeline generating its data first: the generator's description of the logged data (mean logged return,
     transitions) goes to stderr, labelled; stdout, which ends with the guarantee, is the same for two datasets."""
     outs = {}
     for seed in (0, 1):
@@ -220,9 +220,9 @@ def test_curator_only_lines_never_reach_the_stdout_of_dporl_train(tmp_path, caps
                                 "max_episode_steps": 30},
                     "p_min": 0.45, "trajectories_per_expert": 3, "max_episode_steps": 30, "seed": seed,
                     "progress": False}  # nearly uniform logging: returns vary with the seed
-        config = {"pipeline": "expert_cql", "method": "dp_sgd", "run_dir": str(tmp_path / f"run{seed}"),
+        config = {"pipeline": "train", "method": "dp_sgd", "run_dir": str(tmp_path / f"run{seed}"),
                   "epsilon": 1.0, "batch_size": 2, "noise_seed": 0, "data": {"generate": generate},
-                  "cql": {"hidden_sizes": [8]}, "eval": {"enabled": False, "offline": {"estimator": "none"}},
+                  "algorithm": {"name": "cql", "hidden_sizes": [8]}, "eval": {"enabled": False, "offline": {"estimator": "none"}},
                   "trainer": {"max_steps": 5, "eval_every": 5, "log_every": 5, "checkpoint_every": 5,
                               "progress": False}}
         (tmp_path / f"c{seed}.yaml").write_text(yaml.safe_dump(config))

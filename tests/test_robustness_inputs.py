@@ -103,7 +103,7 @@ def test_trainer_config_refuses_nonsense():
 def _valid_checkpoint(path: Path) -> bytes:
     save_checkpoint(path, {"pipeline": "p", "config_sha256": "0" * 64, "step": 3, "budget_steps": 3,
                            "algorithm": {"w": torch.ones(50)}, "optimizer": {}, "scheduler": {}, "eval_history": [],
-                           "rng": {"sampler": torch.Generator().get_state()}})
+                           "rng": {"sampler": torch.Generator().get_state()}, "journal": {"seq": 1, "charged": {}}})
     return path.read_bytes()
 
 
@@ -137,7 +137,7 @@ def test_checkpoints_of_the_wrong_format(tmp_path):
     assert not (tmp_path / "y.pt").exists()
 
 
-_LEDGER = '{"format": "dporl-privacy-journal", "version": 1, "ledger": %s}'
+_LEDGER = '{"format": "dporl-privacy-journal", "version": 2, "ledger": %s}'
 _STAGE = ('{"name": "train", "budget": [1.0, 1e-5], "mechanism": "rdp", "unit": "transition", '
           '"delta": 1e-5, "analysis": "RDP", "accountant": {"mechanism": "rdp", "history": %s}}')
 
@@ -152,7 +152,15 @@ _STAGE = ('{"name": "train", "budget": [1.0, 1e-5], "mechanism": "rdp", "unit": 
 ])
 def test_corrupt_journals_refuse_to_guess_the_spent_budget(tmp_path, text):
     """Failure 7 (a garbage ledger): every malformed journal is a named error, never a traceback or a guess."""
+    from dporl.train.run_dir import GENESIS, _record_hash
+
     path = tmp_path / "journal.json"
+    try:  # a journal with a valid chain link, so that what is refused is the ledger it records
+        body = json.loads(text)
+        if isinstance(body, dict) and "ledger" in body:
+            text = json.dumps({**body, "chain": {"seq": 1, "prev": GENESIS, "hash": _record_hash(GENESIS, body)}})
+    except ValueError:
+        pass
     path.write_text(text)
     with pytest.raises(ValidationError) as info:
         read_journal(path)

@@ -11,7 +11,7 @@ import torch
 from dporl.privacy.calibration import max_steps
 from dporl.privacy.events import ApproxDPEvent, PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
-from dporl.train.export import GreedyQPolicy, load_policy, save_policy
+from dporl.train.export import GreedyPolicy, load_policy, save_policy
 from dporl.train.run_dir import RunDirectory, config_differences, config_sha256, read_journal
 from dporl.utils.validation import PrivacyBudgetError, ValidationError
 
@@ -203,7 +203,7 @@ def test_a_saved_policy_loads_from_its_directory_alone_and_as_torchscript(tmp_pa
     import gymnasium as gym
 
     torch.manual_seed(0)
-    policy = GreedyQPolicy(4, [8, 8], 2)
+    policy = GreedyPolicy(4, [8, 8], 2)
     env = gym.make("CartPole-v1")
     save_policy(policy, tmp_path / "policy", env_id="CartPole-v1", observation_space=env.observation_space,
                 action_space=env.action_space, privacy={"guarantee": {"epsilon": 1.0}})
@@ -214,9 +214,9 @@ def test_a_saved_policy_loads_from_its_directory_alone_and_as_torchscript(tmp_pa
     with pytest.warns(DeprecationWarning):  # torch 2.13 deprecates torch.jit; the file still loads (and in libtorch)
         scripted = torch.jit.load(str(tmp_path / "policy" / "policy.torchscript.pt"))
     assert torch.equal(scripted(obs), policy.act(obs))
-    assert torch.allclose(scripted.q_values(obs), policy(obs))
+    assert torch.allclose(scripted.scores(obs), policy(obs))
     weights = torch.load(tmp_path / "policy" / "weights.pt", weights_only=True)
-    assert set(weights) == set(policy.q_network.state_dict())
+    assert set(weights) == set(policy.network.state_dict())
 
 
 @pytest.mark.parametrize("edit,field", [
@@ -227,7 +227,7 @@ def test_a_saved_policy_loads_from_its_directory_alone_and_as_torchscript(tmp_pa
     (lambda spec: spec["sha256"].update({"weights.pt": "0" * 64}), "policy.weights"),
 ])
 def test_a_hostile_policy_description_is_refused_before_allocating(tmp_path, edit, field):
-    save_policy(GreedyQPolicy(4, [8, 8], 2), tmp_path)
+    save_policy(GreedyPolicy(4, [8, 8], 2), tmp_path)
     spec = json.loads((tmp_path / "policy.json").read_text())
     edit(spec)
     (tmp_path / "policy.json").write_text(json.dumps(spec))

@@ -43,7 +43,7 @@ def test_swor_curve_is_an_upper_bound_where_float64_cancels():
     # must never be lower; at the sample rates GPOPE uses (1/m) those terms are negligible and it is within 1e-9.
     import mpmath
 
-    from dporl.privacy import accountants
+    from dporl.privacy import rdp
 
     sigma, n = 30.0, 60
     mpmath.mp.dps = 300
@@ -52,21 +52,21 @@ def test_swor_curve_is_an_upper_bound_where_float64_cancels():
     for _ in range(n):  # the first difference is exactly 0 (g_0 = g_1 = 1)
         values = [b - a for a, b in zip(values, values[1:])]
         exact.append(float(mpmath.log(abs(values[0]))) if values[0] != 0 else -math.inf)
-    bounded = accountants._swor_log_differences(sigma)[:n]
+    bounded = rdp._swor_log_differences(sigma)[:n]
     assert np.all(bounded >= np.array(exact) - 1e-9)
     excess = bounded - np.array(exact)
     assert np.all(excess[1:4] < 1e-7)  # resolved by float64: the guard adds only the rounding bound
     assert np.all(excess[12:] > 1.0)  # rounding noise: the guard dominates
     # Upper bound of the exact Theorem-27 curve at q = 0.1 (where high orders keep the noisy terms), exact at 1e-3.
-    exact_differences = np.concatenate([exact, accountants._swor_log_differences(sigma)[n:]])
-    saved = accountants._swor_log_differences
+    exact_differences = np.concatenate([exact, rdp._swor_log_differences(sigma)[n:]])
+    saved = rdp._swor_log_differences
     try:
-        accountants._swor_log_differences = lambda s: exact_differences
-        accountants.swor_gaussian_rdp.cache_clear()
+        rdp._swor_log_differences = lambda s: exact_differences
+        rdp.swor_gaussian_rdp.cache_clear()
         reference = {q: swor_gaussian_rdp(q, sigma) for q in (0.1, 1e-3)}
     finally:
-        accountants._swor_log_differences = saved
-        accountants.swor_gaussian_rdp.cache_clear()
+        rdp._swor_log_differences = saved
+        rdp.swor_gaussian_rdp.cache_clear()
     assert np.all(swor_gaussian_rdp(0.1, sigma) >= reference[0.1] * (1 - 1e-12))
     np.testing.assert_allclose(swor_gaussian_rdp(1e-3, sigma), reference[1e-3], rtol=1e-9)
 
@@ -113,11 +113,11 @@ def test_small_spends_are_positive_and_grow_with_steps():
 def test_swor_cost_is_that_of_one_vectorised_pass():
     # Not a timing test: the curve for a new sigma comes from one cached pass of differences per sigma, shared by
     # every sample rate (the calibration of several population sizes at one sigma reuses it).
-    from dporl.privacy import accountants
+    from dporl.privacy import rdp
 
-    accountants._swor_log_differences.cache_clear()
+    rdp._swor_log_differences.cache_clear()
     for population in (100, 1000, 10_000):
         swor_gaussian_rdp(1 / population, 3.21)
-    info = accountants._swor_log_differences.cache_info()
+    info = rdp._swor_log_differences.cache_info()
     assert info.misses == 1 and info.hits == 2
     assert math.isfinite(swor_gaussian_rdp(1e-3, 3.21)[-1])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.privacy.calibration import max_steps
 from dporl.privacy.events import MixtureEvent
 from dporl.privacy.ledger import PrivacyLedger
@@ -23,8 +24,11 @@ torch.set_num_threads(1)
 N_ROWS, DELTA = 200, 1e-5
 
 
-class LogisticRegression(nn.Module):
+class LogisticRegression(PrivateAlgorithm):
     privacy_unit = "transition"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("x", "y")
+    policy_kind = None
 
     def __init__(self, crash_at: int | None = None):
         super().__init__()
@@ -103,18 +107,23 @@ def test_mixture_steps_are_accounted_as_mixtures(tmp_path):
     assert isinstance(event, MixtureEvent) and count == 40  # every step pays, whichever branch it drew
 
 
-def test_crash_then_resume_spends_exactly_the_uninterrupted_budget(tmp_path):
-    reference = _trainer(tmp_path / "reference", LogisticRegression())
+def test_crash_then_resume_trains_exactly_the_uninterrupted_run(tmp_path):
+    start = LogisticRegression().state_dict()  # both runs start from the same weights
+    first = LogisticRegression()
+    first.load_state_dict(start)
+    reference = _trainer(tmp_path / "reference", first)
     reference_result = reference.fit()
 
     crashing = LogisticRegression(crash_at=17)
+    crashing.load_state_dict(start)
     run_dir = tmp_path / "crashed"
     with pytest.raises(RuntimeError, match="simulated crash"):
         _trainer(run_dir, crashing).fit()
     # The journal authorised at least every private step that ran (never under-counts).
     assert len(read_journal(run_dir / "curator" / "journal.json").stages["train"].accountant) >= crashing.private_steps == 17
-    checkpoint = load_checkpoint(run_dir / "curator" / "checkpoints" / "last.pt")  # the step-10 checkpoint, intact
-    assert checkpoint["step"] == 10
+    # A checkpoint before every journal block (journal_every=4): the one before the block holding step 17, intact.
+    checkpoint = load_checkpoint(run_dir / "curator" / "checkpoints" / "last.pt")
+    assert checkpoint["step"] == 16
     assert not [p for p in (run_dir / "curator" / "checkpoints").iterdir() if p.name != "last.pt"]  # no temp files
 
     resumed = _trainer(run_dir, LogisticRegression())  # fresh process state: a new module and a new ledger
@@ -122,8 +131,12 @@ def test_crash_then_resume_spends_exactly_the_uninterrupted_budget(tmp_path):
     assert result.budget_steps == reference_result.budget_steps  # stops at the same budget, never past it
     assert resumed.ledger.spent("train") == reference.ledger.spent("train")
     assert len(resumed.ledger.stages["train"].accountant) == reference_result.budget_steps
-    # Steps authorised but lost in the crash (18..20) are counted as spent, so fewer optimizer steps remain.
-    assert result.steps <= reference_result.steps
+    # No paid step is lost: step 17 (charged, trained, lost in the crash) is replayed from the step-16 checkpoint with
+    # the same generator states, so the resumed run ends with exactly the uninterrupted run's model.
+    assert result.steps == reference_result.steps == result.budget_steps
+    assert resumed.algorithm.private_steps == reference_result.steps - 16
+    for mine, theirs in zip(resumed.algorithm.parameters(), reference.algorithm.parameters()):
+        assert torch.equal(mine, theirs)
 
 
 def test_resume_refused_for_a_different_configuration(tmp_path):

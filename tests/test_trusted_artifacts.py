@@ -45,7 +45,7 @@ def logged(tmp_path_factory):
 
 def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides) -> dict:
     config = {
-        "pipeline": "expert_cql",
+        "pipeline": "train",
         "method": "mixed",
         "run_dir": str(run_dir),
         "epsilon": 10.0,
@@ -55,7 +55,7 @@ def _config(logged: Path, run_dir: Path, *, dataset: str = "a.npz", **overrides)
         "data": {"dataset": str(logged / dataset), "expert_set": str(logged / "experts.pt")},
         "release": {"trajectories": 5},
         "dp": {"noise_multiplier": 1.0, "p_dp": 0.5},
-        "cql": {"hidden_sizes": [16]},
+        "algorithm": {"name": "cql", "hidden_sizes": [16]},
         "trainer": {"max_steps": 12, "eval_every": 6, "log_every": 6, "checkpoint_every": 6, "journal_every": 4,
                     "progress": False},
         "eval": {"episodes": 2, "num_envs": 2, "max_episode_steps": 30},
@@ -114,18 +114,17 @@ def test_failure1_a_reused_run_directory_never_overspends_the_budget(logged, tmp
 
 
 def test_failure1_no_state_on_disk_can_raise_the_guarantee_above_the_budget(logged, tmp_path, capsys):
-    """Whatever the journal says (here: a forged one with the provenance of this config and a release stage
-    spending eps = 50), a run with budget 10 refuses it rather than print a guarantee above 10."""
+    """Whatever the journal says (here: a forged one with the provenance of this config, a recomputed hash chain
+    and a release stage spending eps = 50), a run with budget 10 refuses it rather than print a guarantee above 10."""
+    from test_run_directory_integrity import forge
+
     run = tmp_path / "run"
     config = _config(logged, run, method="dp_sgd", epsilon=10.0)
     assert _train(tmp_path, config) == 0
-    journal_path = run / "curator" / "journal.json"
-    journal = json.loads(journal_path.read_text())
-    journal["ledger"]["stages"].insert(0, {
+    forge(run, lambda journal: journal["ledger"]["stages"].insert(0, {
         "name": "release", "budget": [50.0, 5e-6], "mechanism": "pld", "unit": "expert", "delta": 5e-6,
         "analysis": "forged", "accountant": {"mechanism": "pld", "history": [
-            [{"type": "ApproxDPEvent", "epsilon": 10.0, "delta": 1e-6}, 5]]}})
-    journal_path.write_text(json.dumps(journal))
+            [{"type": "ApproxDPEvent", "epsilon": 10.0, "delta": 1e-6}, 5]]}}))
     (run / "curator" / "summary.json").unlink()
     capsys.readouterr()
     assert _train(tmp_path, config, "--resume") == 2
@@ -167,22 +166,25 @@ def test_failure2_a_changed_config_never_overwrites_the_data(logged, tmp_path, c
 
 
 # ------------------------------------------------------------------------------------------------ failure 3
-def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("crash_on", ["release.json", "release_runs.json"])
+def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, tmp_path, monkeypatch, capsys,
+                                                                        crash_on):
     """Failure 3 (release): a crash between writing D_stable and the ledger produced two releases, of which the
-    ledger counted one. Now the release's events are journaled before any query; a resumed run finds an
-    authorised, unfinished release and refuses a second one."""
+    ledger counted one. The release's events are journaled before any query; a resumed run that finds an
+    authorised, unfinished release refuses a second one, and reuses it only when its released files were all
+    written (D_stable and release.json; the curator's release_runs.json is diagnostics)."""
     import dporl.utils.io as io
 
     run = tmp_path / "run"
     config = _config(logged, run)
     original = io.atomic_write_json
 
-    def crash_on_the_curator_record(path, payload):  # after D_stable, before the release is marked complete
-        if Path(path).name == "release_runs.json":
+    def crash_on_the_record(path, payload):  # after D_stable, before the release is marked complete
+        if Path(path).name == crash_on:
             raise RuntimeError("killed while writing the release")
         return original(path, payload)
 
-    monkeypatch.setattr(io, "atomic_write_json", crash_on_the_curator_record)
+    monkeypatch.setattr(io, "atomic_write_json", crash_on_the_record)
     with pytest.raises(RuntimeError, match="killed"):
         _train(tmp_path, config)
     monkeypatch.setattr(io, "atomic_write_json", original)
@@ -192,9 +194,17 @@ def test_failure3_a_crashed_release_is_counted_once_and_never_repeated(logged, t
     assert stage.name == "release" and sum(count for _, count in stage.events) == 5  # T runs, journaled first
     before = _files(run)
     capsys.readouterr()
-    assert _train(tmp_path, config, "--resume") == 2
-    assert "error: release: an earlier attempt of this run authorised the stable-prefix release" in capsys.readouterr().err
-    assert _files(run) == before  # no second release
+    if crash_on == "release.json":  # the release's public summary was never written: refused, nothing changes
+        assert _train(tmp_path, config, "--resume") == 2
+        assert "error: release: an earlier attempt of this run authorised the stable-prefix release" in \
+            capsys.readouterr().err
+        assert _files(run) == before  # no second release
+        return
+    assert _train(tmp_path, config, "--resume") == 0
+    assert "reusing it (charged once, never run again)" in capsys.readouterr().err
+    assert (run / "release" / "d_stable.npz").read_bytes() == before[run / "release" / "d_stable.npz"]
+    stages = {s.name: s for s in read_journal(run / "curator" / "journal.json").report().stages}
+    assert sum(count for _, count in stages["release"].events) == 5  # charged once
 
 
 def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_recorded(logged, tmp_path, capsys):
@@ -220,7 +230,8 @@ def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_r
             _train(tmp_path, config)
     finally:
         cql.DiscreteCQL.on_step_end = original
-    assert not (run / "curator" / "checkpoints" / "last.pt").exists()
+    # A checkpoint before every journal block: the one before the block holding step 9.
+    assert load_checkpoint(run / "curator" / "checkpoints" / "last.pt")["step"] == 8
     journaled = read_journal(run / "curator" / "journal.json").stages["train"].accountant.history
     sigma3 = PoissonGaussianEvent(3.0, 16 / M)
     assert journaled == [(sigma3, 12)]  # steps 1-9 ran inside blocks of 4: 12 authorised
@@ -232,6 +243,7 @@ def test_failure3_a_crash_then_another_noise_multiplier_charges_the_journal_as_r
     assert _train(tmp_path, config, "--resume") == 0
     history = read_journal(run / "curator" / "journal.json").stages["train"].accountant.history
     assert history == [(sigma3, 12)]  # the 12 authorised steps were all the budget left (trainer.max_steps = 12)
+    assert load_checkpoint(run / "curator" / "checkpoints" / "last.pt")["step"] == 12  # and all of them trained
 
 
 # ------------------------------------------------------------------------------------------------ failure 4
@@ -250,7 +262,7 @@ def test_failure4_loading_a_file_never_runs_code(logged, tmp_path, capsys):
     release/ledger.pt (fnq's released.pt too)."""
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"
-    torch.save({"format": 2, "pipeline": "expert_cql", "payload": _Payload(marker)}, evil)
+    torch.save({"format": 2, "pipeline": "train", "payload": _Payload(marker)}, evil)
 
     assert _cli("evaluate")(["--checkpoint", str(evil)]) == 2
     assert "error: checkpoint" in capsys.readouterr().err and not marker.exists()
@@ -308,7 +320,7 @@ def test_failure5_the_release_carries_no_secret(logged, tmp_path, capsys):
     assert _train(tmp_path, _config(logged, run)) == 0
     release = run / "release"
     policy = load_policy(release / "policy")  # plain weights, weights-only
-    assert torch.load(release / "policy" / "weights.pt", weights_only=True).keys() == policy.q_network.state_dict().keys()
+    assert torch.load(release / "policy" / "weights.pt", weights_only=True).keys() == policy.network.state_dict().keys()
     checkpoint = load_checkpoint(run / "curator" / "checkpoints" / "last.pt")
     secrets = [SEED.to_bytes(16, "little"), SEED.to_bytes(16, "little")[:8], str(SEED).encode(), hex(SEED).encode()]
     secrets += _secret_byte_windows(checkpoint)
@@ -392,10 +404,10 @@ MALFORMED = {
         "expert_set.config_json"),
     "n_actions = 1e12": (lambda c, logged, tmp: {**c, "data": {**c["data"], "dataset": str(_huge_n_actions(logged, tmp))}},
                          "metadata.n_actions"),
-    "absurd hidden sizes": (lambda c, logged, tmp: {**c, "cql": {"hidden_sizes": [10**10, 10**10]}},
-                            "cql.hidden_sizes[0]"),
-    "absurd parameter count": (lambda c, logged, tmp: {**c, "cql": {"hidden_sizes": [60000] * 64}},
-                               "cql.hidden_sizes"),
+    "absurd hidden sizes": (lambda c, logged, tmp: {**c, "algorithm": {"name": "cql", "hidden_sizes": [10**10, 10**10]}},
+                            "algorithm.hidden_sizes[0]"),
+    "absurd parameter count": (lambda c, logged, tmp: {**c, "algorithm": {"name": "cql", "hidden_sizes": [60000] * 64}},
+                               "algorithm.hidden_sizes"),
     "cuda on a CPU build": (lambda c, logged, tmp: {**c, "trainer": {**c["trainer"], "device": "cuda"}},
                             "trainer.device"),
     "unknown device": (lambda c, logged, tmp: {**c, "trainer": {**c["trainer"], "device": "gpu"}}, "trainer.device"),
@@ -430,7 +442,7 @@ def test_failure7_a_checkpoint_that_does_not_match_and_a_garbage_journal(logged,
     assert capsys.readouterr().err.startswith("error: checkpoint.algorithm")
     assert _files(run) == before
 
-    (run / "curator" / "journal.json").write_text('{"format": "dporl-privacy-journal", "version": 1, "ledger": 7}')
+    (run / "curator" / "journal.json").write_text('{"format": "dporl-privacy-journal", "version": 2, "ledger": 7}')
     before = _files(run)
     assert _train(tmp_path, config, "--resume") == 2
     assert capsys.readouterr().err.startswith("error: journal")

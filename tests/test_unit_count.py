@@ -25,7 +25,7 @@ import dporl.privacy.count as count_module
 from dporl.cli import main
 from dporl.data.dataset import TrajectoryDataset
 from dporl.experts.expert_set import ExpertSet
-from dporl.pipelines.expert_cql import run
+from dporl.pipelines.train import run
 from dporl.privacy.count import (
     COUNT_STAGE,
     CountPlan,
@@ -128,7 +128,7 @@ def test_the_table_pipeline_releases_the_same_count_derived_fields_without_one_c
     spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "table_quickstart.yaml").read_text())
     del spec["data"]["example"]
     spec.update(noise_seed=5, batch_size=32)
-    spec["cql"]["hidden_sizes"] = [16]
+    spec["algorithm"]["hidden_sizes"] = [16]
     spec["trainer"].update(max_steps=20, eval_every=20, checkpoint_every=20, progress=False)
     spec["eval"]["offline"].update(fqe={"steps": 20}, tolerance=1e6)  # tiny folds: the noise check would refuse
     sides, partition = {}, None
@@ -214,15 +214,15 @@ def test_the_stable_prefix_precondition_is_checked_on_the_released_lower_bound(l
 
 # ---------------------------------------------------------------------------------------------------- once per run
 def test_the_count_is_charged_once_journaled_and_reused_on_resume(logged, tmp_path, monkeypatch):
-    import dporl.pipelines.expert_cql as pipeline
+    import dporl.pipelines.train.runners as pipeline
 
     cfg = config(logged, tmp_path, method="dp_sgd")
-    original = pipeline._after_count
+    original = pipeline.after_count
 
     def killed(*args, **kwargs):  # after the count was charged and recorded, before training
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(pipeline, "_after_count", killed)
+    monkeypatch.setattr(pipeline, "after_count", killed)
     with pytest.raises(RuntimeError):
         run(cfg)
     journal = json.loads((tmp_path / "run" / "curator" / "journal.json").read_text())
@@ -230,7 +230,7 @@ def test_the_count_is_charged_once_journaled_and_reused_on_resume(logged, tmp_pa
     assert stage["name"] == COUNT_STAGE and stage["accountant"]["history"] == [
         [{"type": "ApproxDPEvent", "epsilon": 0.5, "delta": 0.0, "replace_one": False}, 1]]
     first = journal["completed"][COUNT_STAGE]["released"]["count"]
-    monkeypatch.setattr(pipeline, "_after_count", original)
+    monkeypatch.setattr(pipeline, "after_count", original)
     inject(monkeypatch, [1000])  # a second draw would be far off: the resumed run must not draw
     summary = run(cfg, mode="resume")
     count = {s["name"]: s for s in summary["privacy"]["stages"]}[COUNT_STAGE]

@@ -19,83 +19,20 @@ bounded in slope, which keeps per-unit gradients small relative to the clip norm
 from __future__ import annotations
 
 import copy
-import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dporl.privacy.units import EXPERT, PrivacyUnit, as_unit
+from dporl.algos.base import LossForm, PrivateAlgorithm
+from dporl.algos.networks import check_hidden_sizes, check_mlp_sizes, mlp
+from dporl.algos.registry import AlgorithmConfig, register_algorithm
+from dporl.privacy.units import EXPERT, PrivacyUnit
 from dporl.utils.validation import ValidationError, check_positive, check_probability
 
-
-# Declared network sizes are checked against these before anything is allocated (absurd hidden sizes, or a dataset
-# declaring 10^12 actions, must be a named error, not an attempt to allocate a petabyte).
-MAX_OBS_DIM = 1 << 16
-MAX_ACTIONS = 1 << 20
-MAX_WIDTH = 1 << 16
-MAX_LAYERS = 64
-MAX_PARAMETERS = 1 << 30  # 4 GiB of float32
-
-
-def _bounded_count(field: str, value: Any, bound: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= value <= bound:
-        raise ValidationError(field, f"must be an integer in [{minimum}, {bound}], got {value!r}")
-    return int(value)
-
-
-def check_hidden_sizes(field: str, hidden_sizes: Any) -> list[int]:
-    if not isinstance(hidden_sizes, (list, tuple)) or not 1 <= len(hidden_sizes) <= MAX_LAYERS:
-        raise ValidationError(field, f"expected 1 to {MAX_LAYERS} positive layer sizes, got {hidden_sizes!r}")
-    return [_bounded_count(f"{field}[{i}]", h, MAX_WIDTH) for i, h in enumerate(hidden_sizes)]
-
-
-def check_mlp_sizes(field: str, obs_dim: Any, hidden_sizes: Any, n_actions: Any) -> tuple[int, list[int], int]:
-    """Validated (obs_dim, hidden_sizes, n_actions) of an MLP, refusing absurd sizes before allocation."""
-    obs_dim = _bounded_count(f"{field}.obs_dim", obs_dim, MAX_OBS_DIM)
-    n_actions = _bounded_count(f"{field}.n_actions", n_actions, MAX_ACTIONS, minimum=2)
-    hidden = check_hidden_sizes(f"{field}.hidden_sizes", hidden_sizes)
-    sizes = [obs_dim, *hidden, n_actions]
-    parameters = sum((a + 1) * b for a, b in zip(sizes[:-1], sizes[1:]))
-    if parameters > MAX_PARAMETERS:
-        raise ValidationError(f"{field}.hidden_sizes", f"{parameters:.3g} parameters; at most {MAX_PARAMETERS:.3g}")
-    return obs_dim, hidden, n_actions
-
-
-@dataclass
-class CQLConfig:
-    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
-    gamma: float = 0.99
-    alpha: float = 1.0  # weight of the conservative term; 0 gives plain (double) DQN
-    td_loss: Literal["huber", "mse"] = "huber"
-    target: Literal["dqn", "double_dqn"] = "dqn"
-    target_update_every: int = 500  # hard copy every this many steps, unless tau is set
-    tau: Optional[float] = None  # Polyak averaging factor per step (soft updates)
-    # Rewards are divided by this public constant before the TD target, so that Q errors sit in the Huber loss's
-    # quadratic range (HIV rewards are ~1e5 per step; unscaled, every TD error is in the linear range). A public
-    # constant: it uses no data, so it costs no privacy. (alpha weighs the conservative term in scaled units.)
-    reward_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_probability("cql.gamma", self.gamma)
-        check_positive("cql.alpha", self.alpha, allow_zero=True)
-        self.hidden_sizes = check_hidden_sizes("cql.hidden_sizes", self.hidden_sizes)
-        if self.target_update_every < 1:
-            raise ValidationError("cql.target_update_every", f"must be >= 1, got {self.target_update_every}")
-        if self.tau is not None:
-            check_probability("cql.tau", self.tau, allow_zero=False)
-        check_positive("cql.reward_scale", self.reward_scale)
-
-
-def mlp(in_dim: int, hidden_sizes: list[int], out_dim: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for width in hidden_sizes:
-        layers += [nn.Linear(in_dim, width), nn.ReLU()]
-        in_dim = width
-    layers.append(nn.Linear(in_dim, out_dim))
-    return nn.Sequential(*layers)
+CQL_KEYS = ("obs", "actions", "rewards", "next_obs", "terminated")
 
 
 @torch.no_grad()
@@ -108,16 +45,19 @@ def update_target(target: nn.Module, online: nn.Module, step: int, tau: Optional
         target.load_state_dict(online.state_dict())
 
 
-class DiscreteCQL(nn.Module):
-    """Q-network + target network; ``row_losses`` reads batch keys obs, actions, rewards, next_obs, terminated."""
+class DiscreteCQL(PrivateAlgorithm):
+    """Q-network + target network; ``row_losses`` reads ``CQL_KEYS``; the released policy is greedy in Q."""
 
-    def __init__(self, obs_dim: int, n_actions: int, config: CQLConfig, privacy_unit: PrivacyUnit | str = EXPERT):
-        super().__init__()
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = CQL_KEYS
+    policy_kind = "greedy_q_mlp"
+
+    def __init__(self, obs_dim: int, n_actions: int, config: "CQLConfig", privacy_unit: PrivacyUnit | str = EXPERT):
+        super().__init__(privacy_unit)
         obs_dim, _, n_actions = check_mlp_sizes("cql", obs_dim, config.hidden_sizes, n_actions)
         self.config = config
         self.obs_dim = obs_dim
         self.n_actions = n_actions
-        self.privacy_unit = as_unit(privacy_unit)
         self.q_network = mlp(obs_dim, config.hidden_sizes, n_actions)
         self.target_network = copy.deepcopy(self.q_network)
         self.target_network.requires_grad_(False)
@@ -125,10 +65,8 @@ class DiscreteCQL(nn.Module):
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         return self.q_network(obs)
 
-    @torch.no_grad()
-    def act(self, obs: torch.Tensor) -> torch.Tensor:
-        """Greedy actions [B] for observations [B, obs_dim]."""
-        return self.q_network(obs.to(self._device())).argmax(dim=-1)
+    def policy_network(self) -> nn.Module:
+        return self.q_network
 
     def row_losses(self, batch) -> torch.Tensor:
         data = batch.data
@@ -155,5 +93,40 @@ class DiscreteCQL(nn.Module):
     def on_step_end(self, step: int) -> None:
         update_target(self.target_network, self.q_network, step, self.config.tau, self.config.target_update_every)
 
-    def _device(self) -> torch.device:
-        return next(self.q_network.parameters()).device
+
+@register_algorithm
+@dataclass
+class CQLConfig(AlgorithmConfig):
+    """Discrete CQL's hyper-parameters: the ``algorithm`` section of a ``train`` config (``name: cql``)."""
+
+    name: str = "cql"
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
+    gamma: float = 0.99
+    alpha: float = 1.0  # weight of the conservative term; 0 gives plain (double) DQN
+    td_loss: Literal["huber", "mse"] = "huber"
+    target: Literal["dqn", "double_dqn"] = "dqn"
+    target_update_every: int = 500  # hard copy every this many steps, unless tau is set
+    tau: Optional[float] = None  # Polyak averaging factor per step (soft updates)
+    # Rewards are divided by this public constant before the TD target, so that Q errors sit in the Huber loss's
+    # quadratic range (HIV rewards are ~1e5 per step; unscaled, every TD error is in the linear range). A public
+    # constant: it uses no data, so it costs no privacy. (alpha weighs the conservative term in scaled units.)
+    reward_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_probability("cql.gamma", self.gamma)
+        check_positive("cql.alpha", self.alpha, allow_zero=True)
+        self.hidden_sizes = check_hidden_sizes("cql.hidden_sizes", self.hidden_sizes)
+        if self.target_update_every < 1:
+            raise ValidationError("cql.target_update_every", f"must be >= 1, got {self.target_update_every}")
+        if self.tau is not None:
+            check_probability("cql.tau", self.tau, allow_zero=False)
+        check_positive("cql.reward_scale", self.reward_scale)
+
+    algorithm: ClassVar[type] = DiscreteCQL
+    api_name: ClassVar[str] = "DiscreteCQLConfig"
+    summary: ClassVar[str] = "discrete conservative Q-learning (Kumar et al. 2020), the expert-level paper's learner"
+    # The Python API trains on tables of a few thousand units: smaller networks, faster target copies.
+    api_defaults: ClassVar[Mapping[str, Any]] = {"hidden_sizes": [64, 64], "target_update_every": 100}
+
+    def discount(self) -> Optional[float]:
+        return self.gamma

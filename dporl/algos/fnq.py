@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dporl.algos.cql import mlp
+from dporl.algos.base import LossForm, PrivateAlgorithm
+from dporl.algos.networks import mlp
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.gp_noise import FunctionalNoise
 from dporl.privacy.noise import NoiseSource
@@ -155,7 +156,7 @@ class NoisyQFunction(nn.Module):
         return self.forward(obs).argmax(dim=-1)
 
 
-class _PathQLearner(nn.Module):
+class _PathQLearner(PrivateAlgorithm):
     """A Q-network with one GP path per action, reset every ``reset_every`` updates; unit "reward".
 
     ``q_network`` (optional) is any torch module mapping observations [B, obs_dim] to Q-values [B, n_actions]
@@ -164,6 +165,8 @@ class _PathQLearner(nn.Module):
     """
 
     privacy_unit = REWARD
+    batch_keys = TRANSITION_KEYS
+    policy_kind = None  # releases a noisy Q-function with its paths (``release``), not a greedy MLP policy
 
     def __init__(
         self,
@@ -222,6 +225,8 @@ class FunctionalNoiseQLearning(_PathQLearner):
     ``target_update_every`` do not apply).
     """
 
+    loss_form = LossForm.ROW_LOSSES
+
     def row_losses(self, batch: Batch) -> torch.Tensor:
         data = batch.data
         obs, actions = data["obs"].float(), data["actions"].long()
@@ -243,6 +248,8 @@ class RewardPrivateQLearning(_PathQLearner):
     semi-gradient mean_t w_t grad Q(s_t, a_t) is taken unclipped. Targets use a past iterate (the current one with
     ``target_update_every = 0``) and never the exploration paths.
     """
+
+    loss_form = LossForm.WEIGHTED_ROW_LOSSES
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.algos.lstd import FeatureMap, TargetPolicy, TDTerms, importance_ratios, td_terms
 from dporl.privacy.units import TRAJECTORY
 from dporl.utils.validation import ValidationError, check_positive, check_probability
@@ -56,7 +57,7 @@ class GPOPEConfig:
             raise ValidationError("gpope.average_from", f"must be a step >= 0 or None, got {self.average_from!r}")
 
 
-class GPOPE(nn.Module):
+class GPOPE(PrivateAlgorithm):
     """Linear value estimate V(s) = theta . phi(s) trained by (private) GTD2 on whole trajectories.
 
     Train it with ``DPConfig(clipping="naive")``: closed-form directions need none of the engine's per-layer
@@ -64,6 +65,10 @@ class GPOPE(nn.Module):
     """
 
     privacy_unit = TRAJECTORY
+    loss_form = LossForm.UNIT_DIRECTIONS
+    # padded trajectories (behaviour probabilities read off-policy only)
+    batch_keys = ("observations", "actions", "rewards", "terminated", "mask", "behavior_log_probs")
+    policy_kind = None  # an evaluator: it releases value weights, no policy
 
     def __init__(
         self, features: FeatureMap, config: GPOPEConfig | None = None, target_policy: Optional[TargetPolicy] = None

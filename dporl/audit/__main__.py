@@ -5,6 +5,11 @@
     python -m dporl.audit --all --trials 20000 [--power]
     python -m dporl.audit --neighbours configs/expert_cql_quickstart.yaml [--unit 0] [--trials 20] [--power] [key=value]
     python -m dporl.audit --list | --accounted
+    python -m dporl.audit --sigkill 30 [--seed 0] [--out kills.json]
+
+--sigkill N audits robustness instead of privacy: it kills small training runs N times with SIGKILL at random
+points (the release, training steps, checkpoint and journal writes), resumes them, and checks that no run ever
+under-counts its guarantee or loses a paid step (dporl.audit.crash_resume); exit status 1 if one did.
 
 With --mechanism, ``key=value`` sets the audit's settings; with --config / --neighbours, it overrides the config.
 Every result prints eps_lb (a lower bound holding with the stated confidence) beside the claimed epsilon;
@@ -49,13 +54,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--mechanism", choices=sorted(AUDITS), help="a built-in audit")
-    what.add_argument("--config", help="a pipeline YAML (expert_cql, ope): audit what it would release")
+    what.add_argument("--config", help="a pipeline YAML (train, ope): audit what it would release")
     what.add_argument("--all", action="store_true", help="every built-in audit at its default settings")
     what.add_argument("--neighbours", metavar="CONFIG",
                       help="a pipeline YAML: run it on D and D minus one unit, score everything it releases")
     what.add_argument("--list", action="store_true", help="list the built-in audits and their power settings")
     what.add_argument("--accounted", action="store_true",
                       help="print the registry of released fields that accounted mechanisms output")
+    what.add_argument("--sigkill", type=int, metavar="N",
+                      help="robustness: SIGKILL small runs N times at random points, resume, check the accounting")
     parser.add_argument("--trials", type=int, default=None,
                         help="trials per neighbour (default 20000; --neighbours: 20 whole runs)")
     parser.add_argument("--seed", type=int, default=0)
@@ -76,9 +83,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m dporl.audit") -> 
     parser.add_argument("--work", default=None, help="--neighbours: directory for the inputs and runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--work-dir", default=None, help="--sigkill: keep the killed runs here (default: a temporary "
+                        "directory, removed afterwards)")
     parser.add_argument("overrides", nargs="*", help="key=value")
     args = parser.parse_args(argv)
 
+    if args.sigkill is not None:
+        from dporl.audit.crash_resume import audit as crash_audit, describe
+
+        if args.sigkill < 1:
+            print("error: --sigkill: must be >= 1", file=sys.stderr)
+            return 2
+        result = crash_audit(args.sigkill, seed=args.seed, work_dir=args.work_dir, progress=not args.no_progress)
+        print(describe(result))
+        if args.out:
+            atomic_write_json(args.out, result)
+            print(f"wrote {args.out}")
+        return 0 if result["passed"] else 1
     if args.list:
         for name in sorted(AUDITS):
             print(f"{name:22s} power: {POWER_SETTINGS[name]}")

@@ -7,7 +7,7 @@ here. A differing field no entry lists is unaccounted: the printed guarantee doe
 
 ``ENTRIES`` is the one table. Each ``Accounted`` names:
 
-- ``pipelines``: patterns over "pipeline/method" keys (``expert_cql/mixed``, ``fnq/fnq``, ``ope/gpope``, and
+- ``pipelines``: patterns over "pipeline/method" keys (``train/mixed``, ``fnq/fnq``, ``ope/gpope``, and
   ``mechanism/<name>`` for mechanisms called as a library);
 - ``files``: a pattern over the location (a released file's path under the run directory, a TensorBoard event
   file slot ``.../events[k]``, or ``stdout``);
@@ -70,9 +70,9 @@ class Accounted:
 
 
 # Pipeline keys ("pipeline/method"; the offline evaluation adds "offline/<estimator>").
-DPSGD = ("expert_cql/dp_sgd", "expert_cql/mixed")  # DP-SGD over units at rate B / m (Algorithms 3-4)
-RELEASE = ("expert_cql/stable_only", "expert_cql/mixed")  # the stable-prefix release (Algorithms 1-2)
-CQL = ("expert_cql/*",)
+DPSGD = ("train/dp_sgd", "train/mixed")  # DP-SGD over units at rate B / m (Algorithms 3-4)
+RELEASE = ("train/stable_only", "train/mixed")  # the stable-prefix release (Algorithms 1-2)
+TRAIN = ("train/*",)
 COUNTED = (*DPSGD, "ope/gpope")  # Poisson sampling over units: rates, noise and steps depend on m
 FNQ = ("fnq/*",)
 RATIO = ("offline/wis", "offline/pdis")  # self-normalised: noisy numerator over noisy denominator, no count
@@ -83,7 +83,7 @@ EVENTS = "*release/tensorboard/events*"
 RESULT = "result"  # a mechanism called as a library: its returned release
 
 _WEIGHTS_DPSGD = "policy weights: DP-SGD / Algorithm 3's mixture steps (stage 'train')"
-_WEIGHTS_STABLE = "policy weights: noiseless CQL on D_stable (post-processing of stage 'release')"
+_WEIGHTS_STABLE = "policy weights: noiseless training on D_stable (post-processing of stage 'release')"
 _RELEASE = "stable-prefix release (stage 'release')"
 _PRIVACY = "the privacy accounting of stages whose sampling rate is B / m"
 _COUNT_WHY = ("computed from the number of units m: accounted only when m is a released private estimate (stage "
@@ -127,11 +127,11 @@ def _entries() -> tuple[Accounted, ...]:
         A(DPSGD, "*release/policy/weights.pt", "*", _WEIGHTS_DPSGD,
           "noisy clipped per-unit gradients; the rate B / m and the expected batch come from m", (COUNT,)),
         A(DPSGD, "*release/policy/policy.torchscript.pt", "*", _WEIGHTS_DPSGD, "the same weights, scripted", (COUNT,)),
-        A(("expert_cql/stable_only",), "*release/policy/weights.pt", "*", _WEIGHTS_STABLE,
-          "CQL without noise on D_stable only (it never reads the logged data)"),
-        A(("expert_cql/stable_only",), "*release/policy/policy.torchscript.pt", "*", _WEIGHTS_STABLE,
+        A(("train/stable_only",), "*release/policy/weights.pt", "*", _WEIGHTS_STABLE,
+          "training without noise on D_stable only (it never reads the logged data)"),
+        A(("train/stable_only",), "*release/policy/policy.torchscript.pt", "*", _WEIGHTS_STABLE,
           "the same weights, scripted"),
-        A(CQL, "*release/policy/policy.json", "sha256.*", "policy weights (as above)",
+        A(TRAIN, "*release/policy/policy.json", "sha256.*", "policy weights (as above)",
           "sha256 of the weight files: a function of the weights and of a random temporary archive name"),
         # ---- the stable-prefix release
         A(RELEASE, "*release/d_stable.npz", "*", _RELEASE,
@@ -142,21 +142,21 @@ def _entries() -> tuple[Accounted, ...]:
         A(RELEASE, "stdout", "*", _RELEASE, "its size, printed",
           value=r"^(stable-prefix release \(|stable_transitions: )", numbers_only=True),
         # ---- returns in the public simulator (post-processing of released weights)
-        A(CQL, RELEASED_JSON, "*eval/*", _SIM, "the greedy policy's returns in the public simulator"),
-        A(CQL, "*release/summary.json", "return_mean_last_evals", _SIM, "mean of the last evaluations"),
-        A(CQL, "*release/summary.json", "headline.return in the simulator*", _SIM, "the headline of the same"),
-        A(CQL, EVENTS, "scalar eval/*", _SIM, "the same, in TensorBoard"),
-        A(CQL, "stdout", "*", _SIM, "the headline line",
+        A(TRAIN, RELEASED_JSON, "*eval/*", _SIM, "the greedy policy's returns in the public simulator"),
+        A(TRAIN, "*release/summary.json", "return_mean_last_evals", _SIM, "mean of the last evaluations"),
+        A(TRAIN, "*release/summary.json", "headline.return in the simulator*", _SIM, "the headline of the same"),
+        A(TRAIN, EVENTS, "scalar eval/*", _SIM, "the same, in TensorBoard"),
+        A(TRAIN, "stdout", "*", _SIM, "the headline line",
           value=r"^(return in the simulator \(|return_mean_last_evals: )", numbers_only=True),
-        A(CQL, "*release/evaluations/*", "*", _SIM, "evaluate.py's public-simulator evaluations"),
+        A(TRAIN, "*release/evaluations/*", "*", _SIM, "evaluate.py's public-simulator evaluations"),
         # ---- the private offline evaluation
         *_offline(RATIO, ()),
         *_offline(FOLDS, (COUNT,)),
         # ---- the private unit count and everything derived from it
-        A(CQL + ("ope/*",), RELEASED_JSON, "*unit_count*", _COUNT, "the released estimate of the number of units"),
-        A(CQL + ("ope/*",), RELEASED_JSON, "*stages[*]*", _COUNT, "the count stage's record: its released estimate",
+        A(TRAIN + ("ope/*",), RELEASED_JSON, "*unit_count*", _COUNT, "the released estimate of the number of units"),
+        A(TRAIN + ("ope/*",), RELEASED_JSON, "*stages[*]*", _COUNT, "the count stage's record: its released estimate",
           stage=COUNT_STAGE),
-        A(CQL + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed",
+        A(TRAIN + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed",
           value=r"(?i)(unit count|unit_count|count of the units)", numbers_only=True),
         *[A(COUNTED, RELEASED_JSON, pattern, _PRIVACY, _COUNT_WHY, (COUNT,)) for pattern in (
             "*epsilon*", "*privacy/stage/*", "*sample_rate", "*noise_multiplier", "*basic_composition*",
@@ -169,7 +169,7 @@ def _entries() -> tuple[Accounted, ...]:
           numbers_only=True),
         A(COUNTED, EVENTS, "scalar train/lr @ *", _PRIVACY,
           "the public learning-rate schedule, logged at steps whose number is " + _COUNT_WHY, (COUNT,)),
-        A(("expert_cql/*", "ope/gpope", "fnq/*"), EVENTS, "records", "the scalars logged (all listed)",
+        A(("train/*", "ope/gpope", "fnq/*"), EVENTS, "records", "the scalars logged (all listed)",
           "which (tag, step) records exist: non-finite released values are skipped; step counts are listed"),
         A(COUNTED, "stdout", "*", _PRIVACY, "the run's summary scalars: " + _COUNT_WHY, (COUNT,),
           value=r"^(noise_multiplier|steps): ", numbers_only=True),
@@ -177,7 +177,7 @@ def _entries() -> tuple[Accounted, ...]:
           value=r"^(stage '[^']+': eps=|basic composition: eps=|joint PLD: eps=|cell '[^']+' \(stages |GUARANTEE: \(|"
                 r"the paper's figure, NOT a guarantee: )", numbers_only=True),
         # ---- reward-level private Q-learning (the number of rewards is public: neighbours change values only)
-        A(FNQ, "*release/released.pt", "*", "the released Q-function: Gaussian updates (fnq), DP-SGD (dpsgd) or "
+        A(FNQ, "*release/released.pt", "*", "the released Q-function: Gaussian updates (fnq), DP-SGD (dp_sgd) or "
           "training on Gaussian-perturbed rewards (input_perturbation)",
           "the noisy updates / rewards and the public GP paths"),
         # ---- trajectory-level policy evaluation as a library (DP-LSW / DP-LSL release theta only)

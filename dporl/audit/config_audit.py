@@ -5,7 +5,8 @@ one output-perturbation release) with the config's noise multiplier, sample rate
 the composition over steps is the accountant's and is not re-derived empirically. The canary constructions
 use few units: a Poisson step's event depends only on (sigma, q), not on the population, so the claim is the same.
 
-- ``expert_cql``: ``dp_sgd`` -> one DP-SGD step; ``mixed`` -> one mixture step (and the paper's figure beside it),
+- ``train`` (any registered algorithm: the mechanisms are the method's, the algorithm only computes the gradients
+  they clip): ``dp_sgd`` -> one DP-SGD step; ``mixed`` -> one mixture step (and the paper's figure beside it),
   both on fixed canary datasets through the pipeline's own sources; ``stable_only`` / ``mixed`` -> one run of the
   stable-prefix release with the config's budget, T and ``release.source``, on the config's OWN fixed data (its
   dataset and expert set, when they exist on disk: D, and D minus expert ``target``) or, without them, on the
@@ -28,7 +29,6 @@ from dporl.privacy.calibration import calibrate_noise_multiplier
 from dporl.utils.config import from_dict
 from dporl.utils.validation import ValidationError
 
-SUPPORTED = ("expert_cql", "ope")
 
 
 def _logged_data(config):
@@ -45,7 +45,7 @@ def _logged_data(config):
     if config.data.npz_path is not None:
         dataset_path, expert_path = Path(config.data.npz_path), config.data.expert_set
     else:
-        # Generated data live in RUN/curator/data unless the config names an out_dir (the expert_cql pipeline).
+        # Generated data live in RUN/curator/data unless the config names an out_dir (the train pipeline).
         out_dir = Path(config.data.generate.get("out_dir") or Path(config.run_dir) / "curator" / "data")
         dataset_path, expert_path = out_dir / "dataset.npz", config.data.expert_set or out_dir / "experts.pt"
     if not dataset_path.is_file():
@@ -61,7 +61,7 @@ def _release_plan(config, budgets, dataset, experts, m: int, p_min: Optional[flo
     disk (every refusal the run would raise), else from public quantities (m experts, p_min; checked by the caller)
     for its accounting."""
     from dporl.algos.stable_prefix import accounting_plan, plan_release
-    from dporl.pipelines.expert_cql import RELEASE_STAGE
+    from dporl.pipelines.train import RELEASE_STAGE
 
     eps1, delta1 = budgets[RELEASE_STAGE]
     if dataset is not None and experts is not None:
@@ -69,16 +69,16 @@ def _release_plan(config, budgets, dataset, experts, m: int, p_min: Optional[flo
     return accounting_plan(epsilon=eps1, delta=delta1, config=config.release, p_min=p_min, n_experts=m)
 
 
-def expert_cql_audits(
+def train_audits(
     data: Mapping[str, Any], *, n_experts: Optional[int] = None, p_min: Optional[float] = None, target: int = 0
 ) -> list[Experiment]:
     from dporl.audit.stable_prefix_audit import neighbours_of, stable_prefix_audit
-    from dporl.pipelines.expert_cql import RELEASE_STAGE, TRAIN_STAGE, ExpertCQLConfig, training_noise, training_plan
+    from dporl.pipelines.train import RELEASE_STAGE, TRAIN_STAGE, TrainPipelineConfig, training_noise, training_plan
 
-    config = from_dict(ExpertCQLConfig, data)
+    config = from_dict(TrainPipelineConfig, data)
     budgets = config.stage_budgets()
-    if not budgets:
-        raise ValidationError("method", "a non_private run makes no privacy claim to audit")
+    if not config.method_spec.private:
+        raise ValidationError("method", f"a {config.method} run makes no privacy claim to audit")
     dataset, experts = _logged_data(config)
     train_data, plan = dataset, None
     if dataset is not None:  # the budgets and training cell the run would use (units held out for evaluation)
@@ -95,7 +95,7 @@ def expert_cql_audits(
     if TRAIN_STAGE in budgets:
         eps2, delta2 = budgets[TRAIN_STAGE]
         q = config.batch_size / m
-        mixed = config.method == "mixed"
+        mixed = config.method_spec.trains_on == "mixture"
         sigma = config.dp.noise_multiplier
         if sigma is None:  # the run's own calibration (against what its release leaves, for Algorithm 3)
             if config.trainer.max_steps is None:
@@ -151,10 +151,16 @@ def ope_audits(data: Mapping[str, Any]) -> list[Experiment]:
     return audits
 
 
+def _ope_audits(data: Mapping[str, Any], **kwargs) -> list[Experiment]:
+    return ope_audits(data)
+
+
+# Pipeline -> the audits of what a config of it would release (``dporl.pipelines.PIPELINES`` names the pipelines).
+AUDITS = {"train": train_audits, "ope": _ope_audits}
+
+
 def audits_for_config(data: Mapping[str, Any], **kwargs) -> list[Experiment]:
     pipeline = data.get("pipeline")
-    if pipeline == "expert_cql":
-        return expert_cql_audits(data, **kwargs)
-    if pipeline == "ope":
-        return ope_audits(data)
-    raise ValidationError("pipeline", f"no audit for pipeline {pipeline!r} yet (supported: {', '.join(SUPPORTED)})")
+    if pipeline not in AUDITS:
+        raise ValidationError("pipeline", f"no audit for pipeline {pipeline!r} yet (supported: {', '.join(AUDITS)})")
+    return AUDITS[pipeline](data, **kwargs)

@@ -8,8 +8,8 @@ Expert-level steps on FIXED data. D is a ``TrajectoryDataset`` of m experts: a c
 observation is 100 C e1, and m - 1 others whose observations are fixed vectors orthogonal to e1; D' is D without
 the canary's episodes. Both sample at the same rate q = B / m (the canary keeps its place in the population, so
 the two differ only in the canary's rows; a run derives q from a released count of the units, post-processing that
-is the same on both sides once drawn, and the count itself is its own accounted stage). The batch source is the one the expert_cql pipeline trains with,
-built by ``dporl.algos.expert_sources.training_source`` (``dp_sgd``: Poisson over experts with ``rows_per_expert``
+is the same on both sides once drawn, and the count itself is its own accounted stage). The batch source is the one the train pipeline trains with,
+built by the method objects of ``dporl.methods.unit_level`` (``dp_sgd``: Poisson over experts with ``rows_per_expert``
 rows per sampled expert; ``mixed``: Algorithm 3's ``MixtureSource`` around it and D_stable). The learner is linear
 with loss -w . obs per row, so a unit's gradient is minus the mean of its rows (the canary's is clipped to exactly
 C along -e1; the others' add nothing along e1), and one SGD step of learning rate 1 from w = 0 releases
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm
 from dporl.audit.experiment import Experiment
 from dporl.privacy.accountants import analysis_name, epsilon_for, paper_mixture_epsilon
 from dporl.privacy.dpsgd import DPSGDEngine
@@ -50,11 +51,14 @@ def step_event_factory(sample_rate: float, private_probability: float | None = N
     return MixtureSource(private_probability, private, UniformBatchSource(dummy, 1)).step_event
 
 
-class IndependentSteps(nn.Module):
+class IndependentSteps(PrivateAlgorithm):
     """``trials`` independent linear models as one module. An observation's last coordinate is the trial copy it
     belongs to (``canary_dataset(copies=...)``); row r's loss is -w_{trial(r)} . features(r), features = the rest."""
 
     privacy_unit = "expert"
+    loss_form = LossForm.ROW_LOSSES
+    batch_keys = ("obs",)
+    policy_kind = None
 
     def __init__(self, trials: int, dim: int):
         super().__init__()
@@ -119,16 +123,16 @@ def _public_stable(dim: int):
 
 def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, rows_per_expert: int,
                         sample_rate: float, with_canary: bool, copies: int = 1, private_probability: float = 1.0):
-    """The source expert_cql trains ``method`` with (``training_source``), on ``copies`` copies of D or D'."""
-    from dporl.algos.expert_sources import training_source
+    """The source the train pipeline trains ``method`` with (its ``source``), on ``copies`` copies of D or D'."""
+    from dporl.methods.unit_level import unit_level_method
     from dporl.privacy.count import WHOLE, Units
 
     data = canary_dataset(n_experts, dim, clip, rows_per_expert, with_canary, copies)
     stable = _public_stable(dim) if method == "mixed" else None
     # Both neighbours sample at the attacked rate: the population is the audit's public parameter, not D's size.
-    return training_source(method, data, stable, batch_size=sample_rate * n_experts * copies,
-                           units=Units.public({WHOLE: n_experts * copies}), rows_per_expert=rows_per_expert,
-                           p_dp=private_probability)
+    return unit_level_method(method).source(
+        data, stable, batch_size=sample_rate * n_experts * copies, units=Units.public({WHOLE: n_experts * copies}),
+        rows_per_unit=rows_per_expert, p_dp=private_probability, keys=IndependentSteps.batch_keys)
 
 
 def released_step_scores(source, trials: int, *, noise_multiplier: float, clip: float, mode: str,
@@ -190,7 +194,7 @@ def dpsgd_step_audit(
         privacy_unit="expert",
         analysis=f"{event} by {analysis_name(accountant)}",
         neighbours=(f"fixed data: D = a canary expert (observations {CANARY_NORM:g} C e1) + {n_units - 1} experts "
-                    "orthogonal to e1; D' = D without the canary's episodes; expert_cql's dp_sgd source"),
+                    "orthogonal to e1; D' = D without the canary's episodes; the train pipeline's dp_sgd source"),
         scores=scores,
         chunk_trials=max(1, 2_000 // steps),
         settings={"noise_multiplier": sigma, "sample_rate": q, "n_units": n_units, "dim": dim, "mode": mode,
@@ -211,7 +215,7 @@ def mixture_audit(
     noise_factor: float = 1.0,
     rows_per_expert: int = 2,
 ) -> Experiment:
-    """One step of Algorithm 3 on the fixed D vs D', through expert_cql's ``mixed`` source: with probability p an
+    """One step of Algorithm 3 on the fixed D vs D', through the train pipeline's ``mixed`` source: with probability p an
     expert-level DP-SGD step, else a noiseless step on D_stable.
 
     The branch is visible in the iterates (a noiseless step differs from a noisy one), so the statistic of a
@@ -247,7 +251,7 @@ def mixture_audit(
         privacy_unit="expert",
         analysis=f"{event} by {analysis_name(accountant)} (branch observable)",
         neighbours=(f"fixed data: D = a canary expert (observations {CANARY_NORM:g} C e1) + {n_units - 1} experts "
-                    "orthogonal to e1; D' = D without the canary's episodes; expert_cql's mixed source"),
+                    "orthogonal to e1; D' = D without the canary's episodes; the train pipeline's mixed source"),
         scores=scores,
         chunk_trials=50_000,
         references={

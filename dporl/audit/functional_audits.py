@@ -246,7 +246,7 @@ def _shifted_line_env(shift: float) -> Callable[[], Any]:
 
 def _public_initial_network(obs_dim: int, n_actions: int, hidden_sizes: list[int]) -> torch.nn.Module:
     """The network every audited run starts from (the pipeline's public initialisation at ``PUBLIC_SEED``)."""
-    from dporl.algos.cql import mlp
+    from dporl.algos.networks import mlp
 
     torch.manual_seed(PUBLIC_SEED)
     return mlp(obs_dim, list(hidden_sizes), n_actions)

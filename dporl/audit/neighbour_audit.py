@@ -38,8 +38,8 @@ from dporl.utils.validation import ValidationError
 def pipeline_keys(config: dict[str, Any]) -> tuple[str, ...]:
     """The registry keys ("pipeline/method") of a pipeline config."""
     pipeline = config.get("pipeline")
-    if pipeline == "expert_cql":
-        keys = (f"expert_cql/{config.get('method', 'mixed')}",)
+    if pipeline == "train":
+        keys = (f"train/{config.get('method', 'mixed')}",)
         evaluation = config.get("eval") or {}
         if (config.get("data") or {}).get("format", "npz") != "npz" or evaluation.get("enabled") is False:
             # No simulator (or none used): the learned policy is evaluated privately on logged data.
@@ -81,10 +81,10 @@ def check_pair(pair: NeighbourPair, base: str | Path, noise_seed: int = 0, *, en
 
 
 def pair_keys(pair: NeighbourPair) -> tuple[str, ...]:
-    """The registry keys of a pair's runs (the Python API runs expert_cql with method dp_sgd)."""
+    """The registry keys of a pair's runs (the Python API runs the train pipeline with method dp_sgd)."""
     if pair.via == "api":
         estimator = (pair.api.get("evaluation") or {}).get("estimator", "auto")
-        return ("expert_cql/dp_sgd", f"offline/{'fqe' if estimator == 'auto' else estimator}")
+        return ("train/dp_sgd", f"offline/{'fqe' if estimator == 'auto' else estimator}")
     return pipeline_keys(pair.config)
 
 
@@ -101,8 +101,8 @@ def exact_units(pair: NeighbourPair, directory: Path) -> int:
     from dporl.audit.neighbour_runs import DATA_DIR, table_columns
 
     data = pair.config.get("data") or {}
-    if pair.pipeline != "expert_cql":
-        raise ValidationError("leak", "the power variant is built for expert_cql configs")
+    if pair.pipeline != "train":
+        raise ValidationError("leak", "the power variant is built for train configs")
     if data.get("format") == "table" or pair.via == "api":
         import pandas as pd
 

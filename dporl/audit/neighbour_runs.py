@@ -6,8 +6,8 @@ that differs, and how to run it:
 - ``via="process"``: what ``dporl train --config`` does after parsing its arguments (``run_cli`` over
   ``get_pipeline(name).run(config)``), in this process;
 - ``via="cli"``: ``python -m dporl train --config config.yaml`` in a subprocess;
-- ``via="api"``: ``dporl.read_table(...)`` then ``dporl.DiscreteCQLConfig(**api).create(data).fit(run_dir=...)``
-  and ``print(result)``.
+- ``via="api"``: ``dporl.read_table(...)`` then the Python API config of the pair's registered ``algorithm``
+  (``dporl.DiscreteCQLConfig(**api)``, ...) ``.create(data).fit(run_dir=...)`` and ``print(result)``.
 
 ``prepare`` writes each side's inputs (``D/`` and ``D'/``: the same relative paths, so a printed path is the same
 string on both sides) from the config's data: a saved or generated expert dataset with its expert set, a CSV /
@@ -64,7 +64,8 @@ class NeighbourPair:
     donor: int = 1
     change: float = 1.0
     via: Via = "process"
-    api: dict[str, Any] = field(default_factory=dict)  # via "api": DiscreteCQLConfig keyword arguments
+    api: dict[str, Any] = field(default_factory=dict)  # via "api": the API config's keyword arguments
+    algorithm: str = "cql"  # via "api": the registered algorithm whose API config runs
     timeout: float = 600.0  # via "cli": seconds per side
 
     @property
@@ -89,8 +90,8 @@ def prepare(pair: NeighbourPair, base: str | Path) -> dict[str, Path]:
         (directory / DATA_DIR).mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(pair.config)
     pipeline = pair.pipeline
-    if pipeline == "expert_cql":
-        config = _prepare_expert_cql(pair, config, dirs, base)
+    if pipeline == "train":
+        config = _prepare_train(pair, config, dirs, base)
     elif pipeline == "fnq":
         config = _prepare_fnq(pair, config, dirs)
     elif pipeline != "ope":
@@ -100,7 +101,7 @@ def prepare(pair: NeighbourPair, base: str | Path) -> dict[str, Path]:
     return dirs
 
 
-def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path], base: Path) -> dict:
+def _prepare_train(pair: NeighbourPair, config: dict, dirs: dict[str, Path], base: Path) -> dict:
     data = dict(config.get("data") or {})
     fmt = data.get("format", "npz")
     if pair.via == "api" and fmt != "table":
@@ -114,7 +115,7 @@ def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path]
         elif pair.relation == "replace":
             other = _frame_replace_unit(frame, column, key, _unit_key(frame, column, pair.donor), data)
         else:
-            raise ValidationError("relation", "expert_cql protects units: use remove or replace")
+            raise ValidationError("relation", "the train pipeline protects units: use remove or replace")
         for side, table in (("D", frame), ("D'", other)):
             table.to_csv(dirs[side] / DATA_DIR / "table.csv", index=False)
         data = {"format": "table", "path": f"{DATA_DIR}/table.csv", "columns": table_columns(data)}
@@ -125,7 +126,7 @@ def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path]
     from dporl.experts.expert_set import ExpertSet
 
     if data.get("generate") is not None:
-        from dporl.pipelines.expert_cql import generate_dataset
+        from dporl.pipelines.train import generate_dataset
 
         dataset_path, expert_path = generate_dataset({**data["generate"], "progress": False}, base / "source")
     else:
@@ -141,7 +142,7 @@ def _prepare_expert_cql(pair: NeighbourPair, config: dict, dirs: dict[str, Path]
     elif pair.relation == "replace":
         pairs = {"D": (dataset, experts), "D'": (neighbours.replace_unit(dataset, pair.unit, pair.donor), experts)}
     else:
-        raise ValidationError("relation", "expert_cql protects units: use remove or replace")
+        raise ValidationError("relation", "the train pipeline protects units: use remove or replace")
     for side, (side_data, side_experts) in pairs.items():
         if side_experts is not None:
             # Saved from the side's directory: the set records the same relative path on both sides, and so does
@@ -270,6 +271,8 @@ def _run_cli(pair: NeighbourPair, directory: Path, config: dict, run_dir: str) -
 
 def _run_api(pair: NeighbourPair, directory: Path, config: dict, noise_seed: int, run_dir: str) -> tuple[str, str]:
     import dporl
+    from dporl.algos.registry import get
+    from dporl.api import api_config
     from dporl.utils.config import from_dict
 
     columns = dict((config.get("data") or {}).get("columns") or {})
@@ -278,9 +281,9 @@ def _run_api(pair: NeighbourPair, directory: Path, config: dict, noise_seed: int
     with working_directory(directory), contextlib.redirect_stdout(out):
         try:
             data = dporl.read_table(config["data"]["path"], **columns, progress=False)
-            settings = from_dict(dporl.DiscreteCQLConfig, {**pair.api, "noise_seed": noise_seed, "progress": False})
-            cql = settings.create(data)
-            print(cql.fit(run_dir=run_dir))
+            settings = from_dict(api_config(get(pair.algorithm)), {**pair.api, "noise_seed": noise_seed,
+                                                                   "progress": False})
+            print(settings.create(data).fit(run_dir=run_dir))
         except ValidationError as exc:
             error = exc
     return out.getvalue(), describe_outcome(error)

@@ -11,6 +11,7 @@ from dporl.audit.functional_audits import functional_noise_audit, gaussian_updat
 from dporl.audit.ope_audits import private_ope_audit
 from dporl.audit.noise_audits import gaussian_audit, laplace_audit, secure_gaussian_audit, secure_laplace_audit
 from dporl.audit.release_audits import output_perturbation_audit, reward_perturbation_audit
+from dporl.audit.selection_audit import selection_audit
 from dporl.audit.stable_prefix_audit import stable_prefix_audit
 from dporl.utils.validation import ValidationError
 
@@ -45,6 +46,7 @@ AUDITS: dict[str, Callable[..., Experiment]] = {
     "private_ope": private_ope_audit,
     "fnq_paper_attack": paper_attack_audit,
     "fnq_gaussian": gaussian_update_audit,
+    "selection": selection_audit,
 }
 
 # Settings that break each mechanism on purpose (the power check): the audit must then exceed the claim.
@@ -67,6 +69,7 @@ POWER_SETTINGS: dict[str, dict[str, Any]] = {
     "private_ope": {"noise_factor": 0.1},
     "fnq_paper_attack": {},  # refutes the paper's figure as it stands: it objects without any change
     "fnq_gaussian": {"noise_factor": 0.1},
+    "selection": {"fixed_trials": 10},  # the best of 10 trials released under one trial's epsilon
 }
 
 

@@ -1,8 +1,12 @@
-"""Experiment pipelines: one config dataclass and one run function each, dispatched by ``train.py``.
+"""Experiment pipelines: one config dataclass and one run function each, dispatched by ``dporl train``.
 
-A YAML config names its pipeline (``pipeline: expert_cql``); the rest of the file is that pipeline's config.
-``run(config, mode="new")`` opens the config's run directory (``dporl.train.run_dir``) in ``mode`` ("new",
-"resume", "overwrite": train.py's default, ``--resume``, ``--overwrite``) and checks every input before writing.
+A YAML config names its pipeline (``pipeline: train``); the rest of the file is that pipeline's config.
+``get_pipeline(name).run(config, mode="new")`` opens the config's run directory (``dporl.train.run_dir``) in
+``mode`` ("new", "resume", "overwrite": ``dporl train``'s default, ``--resume``, ``--overwrite``) and checks every
+input before writing.
+
+``PIPELINES`` is the one registry: each name maps to the module whose ``PIPELINE`` attribute is that pipeline, so the
+command line imports only what it runs and no second list can disagree with it.
 """
 
 from __future__ import annotations
@@ -26,40 +30,42 @@ class Pipeline:
     evaluate: Optional[Callable[..., dict]] = None
 
 
-_REGISTRY: dict[str, Pipeline] = {}
-# Pipelines register themselves on import; this maps each name to its module so train.py imports only what it runs.
-_MODULES = {
-    "dataset": "dporl.pipelines.dataset",
-    "expert_cql": "dporl.pipelines.expert_cql",
-    "ope": "dporl.pipelines.ope",
-    "fnq": "dporl.pipelines.fnq",
+# Name -> the module defining ``PIPELINE`` (imported on first use), with the one line ``dporl list`` shows.
+PIPELINES: dict[str, tuple[str, str]] = {
+    "dataset": ("dporl.pipelines.dataset", "generate logged expert data (experts, trajectories, p_min)"),
+    "train": ("dporl.pipelines.train", "train a policy privately: a registered algorithm with a method"),
+    "sweep": ("dporl.pipelines.sweep", "a train config over budgets x methods x seeds: table and plot"),
+    "ope": ("dporl.pipelines.ope", "private policy evaluation experiments (GPOPE, DP-LSW, DP-LSL)"),
+    "fnq": ("dporl.pipelines.fnq", "reward-level private Q-learning and its baselines"),
 }
 
 
-def register(pipeline: Pipeline) -> Pipeline:
-    _REGISTRY[pipeline.name] = pipeline
+def get_pipeline(name: Any) -> Pipeline:
+    """The pipeline ``name`` (its module imported now), or a ValidationError naming ``pipeline``."""
+    if not isinstance(name, str) or name not in PIPELINES:
+        raise ValidationError("pipeline", f"unknown pipeline {name!r} (known: {', '.join(sorted(PIPELINES))})")
+    pipeline = importlib.import_module(PIPELINES[name][0]).PIPELINE
+    if not isinstance(pipeline, Pipeline) or pipeline.name != name:
+        raise ValidationError("pipeline", f"{PIPELINES[name][0]}.PIPELINE is not the pipeline {name!r}")
     return pipeline
 
 
-def get_pipeline(name: Any) -> Pipeline:
-    if name not in _MODULES:
-        raise ValidationError("pipeline", f"unknown pipeline {name!r} (known: {', '.join(sorted(_MODULES))})")
-    importlib.import_module(_MODULES[name])
-    return _REGISTRY[name]
-
-
 def known_pipelines() -> list[str]:
-    return sorted(_MODULES)
+    return sorted(PIPELINES)
 
 
-def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
+def run_cli(work: Callable[[], Any], as_json: bool = False, resume_command: Optional[str] = None) -> int:
     """A command line's outcome: a short human summary of ``work()``'s result on stdout, ending with the headline
     metrics and the guarantee (``as_json``: the whole result as JSON, for machines), exit 0; or the bad input, named
-    by its field, on stderr (exit 2). Full configs and summaries live in the run directory, not on the screen."""
+    by its field, on stderr (exit 2); or, stopped by SIGINT / SIGTERM, where it stopped and ``resume_command`` (the
+    command that continues it), on stderr, exit 130 / 143, no traceback. Full configs and summaries live in the run
+    directory, not on the screen."""
+    from dporl.train.interrupt import Interrupted, terminate_as_interrupt
     from dporl.utils.io import disk_full_cause, disk_full_error
 
     try:
-        result = work()
+        with terminate_as_interrupt():
+            result = work()
     except ValidationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -69,6 +75,13 @@ def run_cli(work: Callable[[], Any], as_json: bool = False) -> int:
             raise
         print(f"error: {disk_full_error(exc.filename or 'a file', cause)}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted(2, "before it finished")
+        hint = f"; continue with: {resume_command}" if resume_command else ""
+        print(f"\ninterrupted {stopped.where}{hint}", file=sys.stderr)
+        if stopped.detail:
+            print(f"  ({stopped.detail})", file=sys.stderr)
+        return stopped.exit_code
     print(json.dumps(result, indent=2, default=str) if as_json else outcome_text(result))
     return 0
 

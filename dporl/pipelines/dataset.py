@@ -5,7 +5,7 @@ Outputs under ``out_dir``: ``experts.pt`` (ExpertSet, atomic), ``dataset.npz`` (
 logged return in the default env, sorted). Nothing here is released: this is the data curator's side, producing
 the logged data that the private learners consume, so ``out_dir`` is a curator-only run directory
 (``dporl.train.run_dir``, with its ``provenance.json``): an existing one is refused (mode "new"), reused when it
-holds this very generation (mode "resume"; ``expert_cql``'s ``data.generate`` uses this), or replaced ("overwrite").
+holds this very generation (mode "resume"; the train pipeline's ``data.generate`` uses this), or replaced ("overwrite").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dporl.experts.collect import collect, make_vector_env
 from dporl.experts.expert_set import ExpertSet, check_p_min
 from dporl.experts.generate import GenerationConfig, generate_experts, return_summary
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, curator_note, register
+from dporl.pipelines import Pipeline, curator_note
 from dporl.pipelines.inputs import check_inputs_outside
 from dporl.train.run_dir import RunDirectory, RunMode
 from dporl.utils.config import to_dict
@@ -54,8 +54,12 @@ class DatasetConfig:
 
 def run(config: DatasetConfig, mode: RunMode = "new") -> dict[str, Any]:
     out_dir = Path(config.out_dir)
-    run_dir = RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True)
-    check_inputs_outside(run_dir, {"expert_set_path": config.expert_set_path})  # --overwrite keeps the user's input
+    with RunDirectory(out_dir, pipeline="dataset", config=to_dict(config), mode=mode, curator_only=True) as run_dir:
+        check_inputs_outside(run_dir, {"expert_set_path": config.expert_set_path})  # --overwrite keeps the user's input
+        return _generate(config, run_dir, out_dir)
+
+
+def _generate(config: DatasetConfig, run_dir: RunDirectory, out_dir: Path) -> dict[str, Any]:
     if run_dir.finished:  # this very generation is already on disk
         return run_dir.read_summary()
     # Refuse an impossible p_min before spending minutes to hours on experts.
@@ -139,4 +143,4 @@ def _per_expert_mean_return(dataset) -> list[float]:
     return (totals / np.maximum(counts, 1)).tolist()
 
 
-register(Pipeline("dataset", DatasetConfig, run))
+PIPELINE = Pipeline("dataset", DatasetConfig, run)

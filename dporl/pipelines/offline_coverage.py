@@ -1,7 +1,7 @@
 """Coverage of a whole table run's private evaluation, where the truth is exact.
 
 Each of ``--runs`` independent runs generates its own logged table of the treatment chain (``data.example`` with
-seed i: clinicians as units), and runs the ``expert_cql`` pipeline on it exactly as ``dporl train --config`` does:
+seed i: clinicians as units), and runs the ``train`` pipeline on it exactly as ``dporl train --config`` does:
 import, unit-level DP-SGD CQL on the "train" cell, private evaluation of the learned greedy policy on the held-out
 cells. The released interval is checked against the learned policy's exact value (``TreatmentChain.true_value``),
 so what is measured is the coverage of the number a user reads at the end of a run, policy learning included.
@@ -30,8 +30,8 @@ def run(config_path: str, overrides: list[str], runs: int, out: Path, progress: 
     from tqdm.auto import tqdm
 
     from dporl.eval.ope_coverage import TreatmentChain, clopper_pearson, state_policy_probabilities
-    from dporl.pipelines.expert_cql import ExpertCQLConfig
-    from dporl.pipelines.expert_cql import run as run_pipeline
+    from dporl.pipelines.train import TrainPipelineConfig
+    from dporl.pipelines.train import run as run_pipeline
     from dporl.train.export import load_policy
     from dporl.utils.config import apply_overrides, from_dict, load_yaml
     from dporl.utils.io import atomic_write_json
@@ -46,7 +46,7 @@ def run(config_path: str, overrides: list[str], runs: int, out: Path, progress: 
                                       "trainer.progress=false"])
         with tempfile.TemporaryDirectory() as tmp:
             data["run_dir"] = str(Path(tmp) / "run")
-            config = from_dict(ExpertCQLConfig, data)
+            config = from_dict(TrainPipelineConfig, data)
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = run_pipeline(config)
             treat = state_policy_probabilities(load_policy(Path(tmp) / "run" / "release" / "policy"), chain.n_states)

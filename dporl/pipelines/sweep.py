@@ -1,13 +1,17 @@
-"""Sweep of the "expert_cql" pipeline: budgets x methods x seeds -> a table (CSV + markdown) and a PNG of return vs eps.
+"""Pipeline "sweep": a "train" config over budgets x methods x seeds -> a table (CSV + markdown) and a PNG of return
+vs eps.
 
-    python -m dporl.pipelines.sweep --config configs/sweep_cartpole.yaml [key=value ...]
+    dporl sweep --config configs/sweep_cartpole.yaml [key=value ...]     (or dporl train --config ...)
+    dporl sweep --config configs/sweep_cartpole.yaml --from-runs A/runs.csv
 
-Every run is an ordinary expert_cql run in ``out_dir/<method>/eps_<eps>/seed_<seed>``. An existing run directory is
+Every run is an ordinary "train" run in ``out_dir/<method>/eps_<eps>/seed_<seed>``. An existing run directory is
 resumed only if its provenance (config and input hashes) equals the run's: a finished one is read back, not
 repeated, an interrupted one continues, and one of another configuration is recorded as an error (never reused). ``non_private`` ignores the budget, so it runs once
 per seed and appears as a flat line. A run refused by its configuration (e.g. a release that no threshold makes
 private at a small eps, the paper's reason to fall back to DP-SGD there) is recorded with its reason, not retried.
-Each cell of the table is the mean over seeds of the run's ``return_mean_last_evals`` with a Student-t interval
+Each cell of the table is the mean over seeds of the run's ``metric`` (``return``: ``return_mean_last_evals``, the
+returns in the simulator; ``offline_value``: the policy value the run's private offline evaluation released, for
+data without a simulator) with a Student-t interval
 (``dporl.eval.returns.confidence_interval``) and the largest guaranteed epsilon among its seeds.
 
 ``--from-runs A/runs.csv --from-runs B/runs.csv`` runs nothing: it tabulates and plots the rows of earlier sweeps' ``runs.csv``
@@ -24,17 +28,20 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, get_args
+from typing import Any, Literal, Optional
 
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
-from dporl.pipelines import Pipeline, register, run_cli
-from dporl.pipelines.expert_cql import ExpertCQLConfig, Method, generate_dataset, run as run_expert_cql
+from dporl.methods.unit_level import METHODS, unit_level_method
+from dporl.pipelines import Pipeline, run_cli
+from dporl.pipelines.train import PIPELINE_NAME as TRAIN, TrainPipelineConfig, generate_dataset
+from dporl.pipelines.train import run as run_train
+from dporl.train.run_dir import RunMode
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
 from dporl.utils.io import atomic_write_text
 from dporl.utils.validation import ValidationError
 
-_METHODS: tuple[str, ...] = get_args(Method)
+NAME = "sweep"
 
 
 @dataclass
@@ -45,34 +52,37 @@ class EpsilonOverrides:
 
 @dataclass
 class SweepConfig:
-    pipeline: str = "expert_cql_sweep"
-    base: str = "configs/expert_cql_cartpole.yaml"  # an expert_cql config
+    pipeline: str = NAME
+    base: str = "configs/expert_cql_cartpole.yaml"  # a "train" config
     overrides: list[str] = field(default_factory=list)  # applied to the base config of every run
     epsilons: list[float] = field(default_factory=lambda: [10.0, 7.5, 5.0, 2.0, 1.0])
-    methods: list[Method] = field(default_factory=lambda: list(_METHODS))
+    methods: list[str] = field(default_factory=lambda: list(METHODS))  # dporl.methods.unit_level
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     method_overrides: dict[str, list[str]] = field(default_factory=dict)
     epsilon_overrides: list[EpsilonOverrides] = field(default_factory=list)
     out_dir: str = "runs/sweep_cartpole"
     threads: int = 1  # torch threads per run (runs are sequential)
+    metric: Literal["return", "offline_value"] = "return"  # what the "return" column of a row holds (module doc)
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.pipeline != "expert_cql_sweep":
-            raise ValidationError("pipeline", f"expected 'expert_cql_sweep', got {self.pipeline!r}")
+        if self.pipeline != NAME:
+            raise ValidationError("pipeline", f"expected {NAME!r}, got {self.pipeline!r}")
         for name in ("epsilons", "methods", "seeds"):
             if not getattr(self, name):
                 raise ValidationError(name, "must not be empty")
         if any(e <= 0 for e in self.epsilons):
             raise ValidationError("epsilons", f"must be > 0, got {self.epsilons}")
-        unknown = sorted(set(self.method_overrides) - set(_METHODS))
-        if unknown:
-            raise ValidationError(f"method_overrides.{unknown[0]}", f"not a method (known: {list(_METHODS)})")
+        for i, method in enumerate(self.methods):
+            unit_level_method(method, f"methods[{i}]")
+        for method in self.method_overrides:
+            unit_level_method(method, f"method_overrides.{method}")
         if self.threads < 1:
             raise ValidationError("threads", f"must be >= 1, got {self.threads}")
 
 
-def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Optional[float], int, ExpertCQLConfig]]:
+def run_configs(config: SweepConfig, data: dict[str, Any]
+                ) -> list[tuple[str, Optional[float], int, TrainPipelineConfig]]:
     """(method, epsilon or None for non_private, seed, run config) for every run of the sweep.
 
     ``data``: the base config with ``config.overrides`` already applied (and its generation, if any, already
@@ -82,7 +92,7 @@ def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Op
     by_eps = {entry.epsilon: entry.overrides for entry in config.epsilon_overrides}
     runs = []
     for method in config.methods:
-        budgets: list[Optional[float]] = [None] if method == "non_private" else list(config.epsilons)
+        budgets: list[Optional[float]] = list(config.epsilons) if METHODS[method].private else [None]
         for eps in budgets:
             for seed in config.seeds:
                 name = f"{method}/{'all' if eps is None else f'eps_{eps:g}'}/seed_{seed}"
@@ -96,7 +106,7 @@ def run_configs(config: SweepConfig, data: dict[str, Any]) -> list[tuple[str, Op
                 ]
                 if eps is not None:
                     overrides.append(f"epsilon={eps}")
-                runs.append((method, eps, seed, from_dict(ExpertCQLConfig, apply_overrides(data, overrides))))
+                runs.append((method, eps, seed, from_dict(TrainPipelineConfig, apply_overrides(data, overrides))))
     return runs
 
 
@@ -109,18 +119,20 @@ def _generate_once(config: SweepConfig, data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "data": {"dataset": dataset_path, "expert_set": expert_path}}
 
 
-def run(config: SweepConfig) -> dict:
+def run(config: SweepConfig, mode: RunMode = "new") -> dict:
+    """Every run of the sweep (``mode`` "new" or "resume": a run directory of the same provenance is read back or
+    continued; "overwrite": every run is replaced), then the table and the plot."""
     import torch
     from tqdm.auto import tqdm
 
     torch.set_num_threads(config.threads)
     data = apply_overrides(load_yaml(config.base), config.overrides)
-    if data.get("pipeline", "expert_cql") != "expert_cql":
-        raise ValidationError("base", f"{config.base} is not an expert_cql config")
+    if data.get("pipeline", TRAIN) != TRAIN:
+        raise ValidationError("base", f"{config.base} is not a {TRAIN!r} config")
     runs = run_configs(config, _generate_once(config, data))
     rows = []
     for method, eps, seed, run_config in tqdm(runs, desc="sweep", unit="run", disable=not config.progress):
-        rows.append(_run_one(method, eps, seed, run_config))
+        rows.append(_run_one(method, eps, seed, run_config, overwrite=mode == "overwrite", metric=config.metric))
     return _report(rows, config)
 
 
@@ -132,6 +144,7 @@ def _report(rows: list[dict[str, Any]], config: SweepConfig) -> dict:
             "outputs": [str(out_dir / name) for name in ("runs.csv", "results.md", "return_vs_epsilon.png")]}
 
 
+_METRIC_LABELS = {"return": "return", "offline_value": "released policy value"}
 _MAX_RUNS_CSV_BYTES = 64 << 20
 _CSV_FIELDS = ("method", "epsilon", "seed", "return", "final_return", "guarantee_epsilon", "guarantee_delta", "steps",
                "stable_transitions", "error")
@@ -170,10 +183,10 @@ def read_runs(paths: list[str | Path], config: SweepConfig) -> list[dict[str, An
 
 
 def _parse_row(raw: dict[str, str]) -> dict[str, Any]:
-    if raw["method"] not in _METHODS:
-        raise ValueError(f"unknown method {raw['method']!r} (known: {list(_METHODS)})")
+    if raw["method"] not in METHODS:
+        raise ValueError(f"unknown method {raw['method']!r} (known: {list(METHODS)})")
     epsilon = None if raw["epsilon"] == "" else float(raw["epsilon"])
-    if (epsilon is None) != (raw["method"] == "non_private"):
+    if (epsilon is None) != (not METHODS[raw["method"]].private):
         raise ValueError(f"method {raw['method']!r} with epsilon {raw['epsilon']!r}")
     return {
         "method": raw["method"], "epsilon": epsilon, "seed": int(raw["seed"]),
@@ -189,21 +202,28 @@ def tabulate(config: SweepConfig, paths: list[str | Path]) -> dict:
     return _report(read_runs(paths, config), config)
 
 
-def _run_one(method: str, eps: Optional[float], seed: int, run_config: ExpertCQLConfig) -> dict[str, Any]:
+def _run_one(method: str, eps: Optional[float], seed: int, run_config: TrainPipelineConfig,
+             overwrite: bool = False, metric: str = "return") -> dict[str, Any]:
     row = {"method": method, "epsilon": eps, "seed": seed, "return": math.nan, "final_return": math.nan,
            "guarantee_epsilon": math.nan, "guarantee_delta": math.nan, "steps": 0, "stable_transitions": None,
            "error": None}
     try:
-        mode = "resume" if Path(run_config.run_dir).exists() else "new"
-        summary = run_expert_cql(run_config, mode=mode)
+        mode = "overwrite" if overwrite else "resume" if Path(run_config.run_dir).exists() else "new"
+        summary = run_train(run_config, mode=mode)
     except ValidationError as exc:  # includes PrivacyBudgetError: the configuration admits no private run
         row["error"] = str(exc)
         return row
     guarantee = summary["privacy"]["guarantee"] or {}
+    if metric == "offline_value":  # released by the run's private evaluation (NaN when it released none)
+        value = summary["evaluation"].get("value", math.nan)
+        value = math.nan if value is None else float(value)
+        measured = {"return": value, "final_return": value}
+    else:
+        measured = {"return": summary["return_mean_last_evals"],
+                    "final_return": summary["final_metrics"].get("eval/return_mean", math.nan)}
     row.update(
         {
-            "return": summary["return_mean_last_evals"],
-            "final_return": summary["final_metrics"].get("eval/return_mean", math.nan),
+            **measured,
             "guarantee_epsilon": guarantee.get("epsilon", math.nan),
             "guarantee_delta": guarantee.get("delta", math.nan),
             "steps": summary["steps"],
@@ -238,7 +258,8 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
     writer.writerows(rows)
     atomic_write_text(out_dir / "runs.csv", buffer.getvalue())
     lines = [
-        "| method | eps (budget) | return (mean over seeds) | 95% CI | guaranteed eps (max over seeds) | seeds | note |",
+        f"| method | eps (budget) | {_METRIC_LABELS[config.metric]} (mean over seeds) | 95% CI | guaranteed eps (max "
+        "over seeds) | seeds | note |",
         "|---|---|---|---|---|---|---|",
     ]
     for e in table:
@@ -255,19 +276,20 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
     for method in config.methods:
         cells = [e for e in table if e["method"] == method and e["seeds"] > 0]
         if cells:
-            label = "non-private CQL (no guarantee)" if method == "non_private" else method
+            label = "non-private (no guarantee)" if method == "non_private" else method
             series[label] = ([e["epsilon"] for e in cells], [e["return_mean"] for e in cells],
                              [(e["ci_high"] - e["ci_low"]) / 2 for e in cells])
     if series:
         plot_lines(out_dir / "return_vs_epsilon.png", series, xlabel="expert-level epsilon (total budget)",
-                   ylabel="mean episodic return", title="expert-level private CQL", logx=True)
+                   ylabel=_METRIC_LABELS[config.metric], title="private training over units", logx=True)
 
 
-register(Pipeline("expert_cql_sweep", SweepConfig, run))
+PIPELINE = Pipeline(NAME, SweepConfig, run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--from-runs", action="append", metavar="RUNS_CSV",
                         help="tabulate and plot an earlier sweep's runs.csv instead of running (repeatable; later "

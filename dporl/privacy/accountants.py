@@ -4,14 +4,11 @@ Opacus-style interface (``step`` / ``record`` / ``get_epsilon(delta)`` / ``histo
 analyses of the events in ``dporl.privacy.events``:
 
 - ``"rdp"``: Renyi DP summed over a fixed grid of orders, converted with the tight conversion of Balle et al. 2020
-  (``dp_accounting.rdp.compute_epsilon``). Poisson Gaussian from Opacus' RDP analysis (Mironov et al. 2019);
-  Laplace from ``dp_accounting``'s ``RdpAccountant``; sampling without replacement (Wang, Balle, Kasiviswanathan
-  2019, Theorem 27, replace-one adjacency) by a vectorised form of ``dp_accounting``'s bound at every order of the
-  grid (``swor_gaussian_rdp``); the mixture step of Algorithm 3 from the exact formula
-  RDP_mix(a) = 1/(a-1) log(1 - p + p exp((a-1) RDP_q(a))) (the branch taken is observable).
+  (``dporl.privacy.rdp``: Poisson Gaussian, Laplace, sampling without replacement, Algorithm 3's mixture step).
   An (epsilon, delta) event has no RDP curve: refused, use "pld".
 - ``"pld"``: privacy loss distributions (``dp_accounting.pld``, pessimistic "connect the dots" discretisation,
-  both add and remove directions), composed exactly by FFT. Tight for (epsilon, delta) pairs
+  both add and remove directions, on a grid adapted to the events: ``dporl.privacy.pld``), composed exactly by
+  FFT. Tight for (epsilon, delta) pairs
   (Kairouz-Oh-Viswanath style: each pair as its worst-case PLD), Laplace, Poisson Gaussian and the mixture
   PLD_mix = (1 - p) point_mass(0) + p PLD_q. Sampling without replacement is refused (no PLD construction here).
 - ``"prv"``: Opacus' PRV accountant (Gopi et al. 2021), Poisson Gaussian only; other events are refused. Opacus
@@ -25,10 +22,9 @@ same event costs one FFT self-composition (PLD) or one vector sum (RDP).
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -41,45 +37,30 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
     SampledWithoutReplacementGaussianEvent,
+    SelectionEvent,
     event_from_dict,
     event_to_dict,
 )
-from dporl.utils.validation import ValidationError, check_probability
+from dporl.privacy.pld import (
+    COARSEST,
+    AnalysisTooLarge,
+    CompositionTooLarge,
+    check_constructible,
+    check_grid,
+    compose,
+    epsilon_for_delta,
+    history_interval,
+)
+from dporl.privacy.rdp import RDP_ORDERS, rdp_curve, swor_gaussian_rdp
+from dporl.privacy.rdp import rdp_epsilon as _rdp_epsilon
 from dporl.privacy.units import Relation
+from dporl.utils.validation import ValidationError, check_probability
 
 Mechanism = Literal["rdp", "prv", "pld"]
 MECHANISMS: tuple[str, ...] = ("rdp", "prv", "pld")
 
-# Renyi orders: fractional ones to 11 (large epsilons; the subsampled Gaussian's cumulant is too convex there to
-# interpolate between integers), every integer to 256 (its optimum sits near a sharp transition in alpha: gaps in
-# the grid cost up to 10% of epsilon), then a few large ones for tiny epsilons.
-FRACTIONAL_ORDERS = tuple(
-    [round(1 + x / 10, 2) for x in range(1, 30) if x % 10] + [round(4 + x / 4, 2) for x in range(1, 28) if x % 4]
-)
-RDP_ORDERS = np.sort(np.array(list(FRACTIONAL_ORDERS) + list(range(2, 257)) + [320, 384, 512, 768, 1024], float))
-_INTEGER_ORDERS = RDP_ORDERS[RDP_ORDERS == np.round(RDP_ORDERS)].astype(np.int64)
-_IS_FRACTIONAL = RDP_ORDERS != np.round(RDP_ORDERS)
-# Sampling without replacement: Theorem 27 of Wang, Balle, Kasiviswanathan (2019) uses forward differences of the
-# Gaussian's exp-CGF up to this order and a Stirling-type bound above it (dp_accounting's split). Every order of
-# RDP_ORDERS is evaluated: capping the orders at 64 floored epsilon at ~0.101 for delta = 1e-5 (the conversion
-# needs large orders for small epsilons), which made calibration fall back to the unamplified bound.
-SWOR_EXACT_MAX_ORDER = 256
-
-# PLD loss discretisation. Pessimistic rounding keeps every value an upper bound; 1e-3 is 10x faster than
-# dp_accounting's 1e-4 and over-states epsilon by < 0.2% + 0.005 (absolute, visible at eps ~ 0.2) on the
-# (q, sigma, steps) grid of tests/test_accountants.py.
-PLD_DISCRETIZATION = 1e-3
 # Opacus' PRV accountant: epsilon is reported to within this additive error (its upper bound is returned).
 PRV_EPS_ERROR = 0.01
-# Largest grid (points of one privacy-loss pmf, or of a PRV domain) an analysis may build. A grid grows as
-# 1 / (sigma^2 discretisation) per event and with the composed count: a noise multiplier of 0.001 asks for ~1e9
-# points (GBs and minutes) where no budget could fit anyway. Beyond the cap the grid is not built and the event's
-# RDP bound (or the closed-form bound) answers instead: also an upper bound, computed in milliseconds.
-PLD_MAX_POINTS = 1 << 22
-# One event's pmf costs a few microseconds per point to build (dp_accounting evaluates the mechanism's CDF there).
-PLD_MAX_EVENT_POINTS = 1 << 20
-# Gaussian privacy losses are built over +-this many standard deviations (dp_accounting truncates at mass e^-50).
-_GAUSSIAN_TAIL_SDS = 10.0
 # An (epsilon, delta) guarantee with delta this large protects nobody (delta is the chance that everything leaks);
 # there the analyses degenerate (the exact epsilon is 0 for most mechanisms), so the accountants refuse it.
 MAX_DELTA = 0.1
@@ -114,10 +95,6 @@ def check_count(field: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
-class AnalysisTooLarge(ValidationError):
-    """A numerical analysis would need a grid beyond ``PLD_MAX_POINTS``; ``epsilon_for`` answers with another bound."""
-
-
 def check_delta(delta: Any, field: str = "delta", allow_zero: bool = False) -> float:
     """A delta an (epsilon, delta) guarantee can use: in (0, MAX_DELTA] (``allow_zero``: [0, MAX_DELTA], e.g. the
     budget of a pure-DP stage)."""
@@ -129,338 +106,38 @@ def check_delta(delta: Any, field: str = "delta", allow_zero: bool = False) -> f
     return delta
 
 
-def pld_grid_points(event: PrivacyEvent, discretization: float = PLD_DISCRETIZATION, sensitivity: float = 1.0) -> int:
-    """An upper estimate of the number of points of ``event``'s privacy-loss pmf on a grid of ``discretization``,
-    computed from the event's parameters before anything is built (``sensitivity``: 2 for replace-one)."""
-    if isinstance(event, MixtureEvent):
-        return pld_grid_points(event.event, discretization, sensitivity)
-    if isinstance(event, PoissonGaussianEvent):
-        sigma = event.noise_multiplier / sensitivity
-        loss_range = 2 * (1 / (2 * sigma**2) + _GAUSSIAN_TAIL_SDS / sigma)
-    elif isinstance(event, LaplaceEvent):
-        loss_range = 2 * sensitivity / event.noise_multiplier
-    elif isinstance(event, ApproxDPEvent):
-        loss_range = 2 * sensitivity * event.epsilon
-    else:
-        return 0
-    return int(min(loss_range / discretization, 1e18)) + 2
-
-
-def check_grid(what: str, points: float, cap: int = PLD_MAX_POINTS) -> None:
-    """Refuse (``AnalysisTooLarge``) a privacy-loss grid of more than ``cap`` points."""
-    if points > cap:
-        raise AnalysisTooLarge(
-            "accountant", f"{what} needs a privacy-loss grid of about {points:.3g} points (at most {cap}); its noise "
-            "is too small for a numerical analysis at this resolution")
-
-
-def composed_points(pld: Any, count: int) -> int:
-    """Points of ``pld`` self-composed ``count`` times, before dp_accounting builds it: its own Chernoff bounds on
-    the truncated convolution (dense pmfs) or the full support (sparse ones), for both directions."""
-    from dp_accounting.pld import common
-
-    largest = 0
-    for pmf in (pld._pmf_remove, pld._pmf_add):  # dp_accounting keeps the two directions here
-        probs = getattr(pmf, "_probs", None)
-        if probs is not None:
-            lower, upper = common.compute_self_convolve_bounds(probs, count, 1e-15)
-            points = upper - lower + 1
-        else:
-            keys = list(getattr(pmf, "_loss_probs", {}) or [0])
-            points = (max(keys) - min(keys)) * count + 1
-        largest = max(largest, int(points))
-    return largest
-
-
 def spends_nothing(event: PrivacyEvent) -> bool:
     return isinstance(event, MixtureEvent) and event.probability == 0
 
 
-# --------------------------------------------------------------------------------------------- RDP curves
-@functools.lru_cache(maxsize=1024)
-def rdp_curve(event: PrivacyEvent) -> np.ndarray:
-    """RDP of one event at every order of ``RDP_ORDERS`` (add/remove or replace-one, see ``adjacency``)."""
-    if isinstance(event, PoissonGaussianEvent):
-        from opacus.accountants.analysis.rdp import compute_rdp
-
-        q, sigma = event.sample_rate, event.noise_multiplier
-        # Opacus' series for the fractional orders; the exact binomial sum, vectorised, for the integer ones.
-        curve = np.empty(len(RDP_ORDERS))
-        curve[_IS_FRACTIONAL] = compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(FRACTIONAL_ORDERS))
-        curve[~_IS_FRACTIONAL] = _poisson_gaussian_rdp_integer(q, sigma, _INTEGER_ORDERS)
-        return curve
-    if isinstance(event, MixtureEvent):
-        inner = rdp_curve(event.event)
-        p = event.probability
-        if p == 0:
-            return np.zeros_like(inner)
-        # log(1 - p + p exp((a-1) r)) / (a-1), evaluated in log space (r can be huge at large orders).
-        with np.errstate(divide="ignore"):
-            log_mix = np.logaddexp(math.log1p(-p) if p < 1 else -np.inf, math.log(p) + (RDP_ORDERS - 1) * inner)
-        return log_mix / (RDP_ORDERS - 1)
-    if isinstance(event, SampledWithoutReplacementGaussianEvent):
-        return swor_gaussian_rdp(event.sample_size / event.population, event.noise_multiplier)
-    if isinstance(event, LaplaceEvent):
-        import dp_accounting
-        from dp_accounting.rdp import RdpAccountant
-
-        accountant = RdpAccountant(
-            orders=list(RDP_ORDERS), neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        )
-        accountant.compose(dp_accounting.LaplaceDpEvent(event.noise_multiplier))
-        return np.asarray(accountant.rdp, dtype=float)
-    if isinstance(event, ReplaceOneEvent):
-        raise ValidationError(
-            "accountant.mechanism",
-            f"{event} is analysed for replace-one neighbours by its privacy loss distribution; account it with "
-            "mechanism='pld'",
-        )
-    if isinstance(event, ApproxDPEvent):
-        raise ValidationError(
-            "accountant.mechanism",
-            f"{event} is only known to be (epsilon, delta)-DP and has no Renyi curve; account it with mechanism='pld' "
-            "(the privacy ledger composes an RDP training stage with a PLD release stage jointly)",
-        )
-    raise ValidationError("event", f"the rdp accountant cannot analyse {type(event).__name__}")
-
-
-def _poisson_gaussian_rdp_integer(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
-    """Exact RDP of the Poisson-subsampled Gaussian at integer orders a >= 2 (Mironov, Talwar, Zhang 2019):
-
-    RDP(a) = log(sum_{k=0..a} C(a, k) (1-q)^(a-k) q^k exp((k^2 - k) / (2 sigma^2))) / (a - 1).
-    """
-    from scipy.special import gammaln, logsumexp
-
-    if q == 1.0:
-        return orders / (2 * sigma**2)
-    a = orders[:, None].astype(float)
-    k = np.arange(orders.max() + 1, dtype=float)[None, :]
-    valid = k <= a
-    k_safe = np.where(valid, k, 0.0)
-    log_terms = (
-        gammaln(a + 1) - gammaln(k_safe + 1) - gammaln(a - k_safe + 1)
-        + (a - k_safe) * math.log1p(-q) + k_safe * math.log(q) + (k_safe**2 - k_safe) / (2 * sigma**2)
-    )
-    return logsumexp(np.where(valid, log_terms, -np.inf), axis=1) / (orders - 1)
-
-
-# --------------------------------------------------------------------------------------------- sampling w/o replacement
-@functools.lru_cache(maxsize=512)
-def _swor_log_differences(sigma: float) -> np.ndarray:
-    """Upper bounds on log |Delta^(j+1) g(0)|, j = 0..SWOR_EXACT_MAX_ORDER + 1, for g = (1, e^K(0), e^K(1), ...) and
-    K(x) = x (x + 1) / (2 sigma^2): the forward differences of Theorem 27 (Wang, Balle, Kasiviswanathan 2019).
-
-    The differences are taken in log space exactly as ``dp_accounting`` does (``_get_forward_diffs``), one
-    vectorised pass per order. At large sigma they cancel catastrophically in float64 (dp_accounting's values are
-    rounding noise there, sometimes below the exact ones), so each is returned as log(|computed| + E_j) with the
-    forward-error bound E_j = 8 (j + 1) eps_64 sum_k C(j + 1, k) g_k: an upper bound on the exact magnitude that
-    exceeds the computed one by the relative rounding bound E_j / |computed| wherever float64 resolves it. Depends on
-    sigma only (cached).
-    """
-    n = SWOR_EXACT_MAX_ORDER
-    x = np.arange(n + 2, dtype=float)
-    log_g = np.concatenate([[0.0], x * (x + 1) / (2.0 * sigma**2)])  # log of g_0 .. g_{n+2}
-    values, signs = log_g.copy(), np.ones(n + 3, dtype=bool)
-    computed = np.empty(n + 2)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for j in range(n + 2):
-            k = n + 2 - j
-            left, right = values[:k], values[1 : k + 1]
-            left_sign, right_sign = signs[:k], signs[1 : k + 1]
-            high, low = np.maximum(left, right), np.minimum(left, right)
-            gap = low - high
-            # Same signs: log |e^right - e^left|; different signs: log (e^left + e^right).
-            difference = np.where(left == right, -np.inf, high + np.log1p(-np.exp(gap)))
-            total = np.where(low == -np.inf, high, high + np.log1p(np.exp(gap)))
-            difference_sign = np.where(right_sign, right >= left, right < left)
-            same = left_sign == right_sign
-            values[:k] = np.where(same, difference, total)
-            signs[:k] = np.where(same, difference_sign, right_sign)
-            computed[j] = values[0]
-    from scipy.special import gammaln, logsumexp
-
-    order = np.arange(1, n + 3, dtype=float)[:, None]  # difference order j + 1
-    k = np.arange(n + 3, dtype=float)[None, :]
-    inside = k <= order
-    log_binomial = gammaln(order + 1) - gammaln(np.minimum(k, order) + 1) - gammaln(np.maximum(order - k, 0) + 1)
-    scale = logsumexp(np.where(inside, log_binomial + log_g[None, :], -np.inf), axis=1)
-    error = scale + np.log(8.0 * np.finfo(float).eps * order[:, 0])
-    return np.logaddexp(computed, error)
-
-
-def _swor_log_moments(q: float, sigma: float, orders: np.ndarray) -> np.ndarray:
-    """log A_a of Theorem 27 at integer orders a >= 1 (dp_accounting's ``_compute_rdp_sample_wor_gaussian_int``,
-    all orders in one matrix): log(1 + sum_{i=2..a} C(a, i) q^i B_i) with B_2 = min(4 (e^{1/sigma^2} - 1),
-    2 e^{1/sigma^2}), and for i >= 3 B_i = min(4 sqrt(|D_lo| |D_hi|), 2 e^{K(i-1)}) (differences D as above) when
-    a <= SWOR_EXACT_MAX_ORDER, else 2 e^{K(i-1)}."""
-    from scipy.special import gammaln, logsumexp
-
-    orders = np.asarray(orders, dtype=np.int64)
-    top = int(orders.max())
-    if top < 2:
-        return np.zeros(len(orders))
-    i = np.arange(2, top + 1, dtype=float)
-    cgf = i * (i - 1) / (2.0 * sigma**2)  # K(i - 1)
-    inv = 1.0 / sigma**2
-    first = min(math.log(4) + inv + math.log(-math.expm1(-inv)), inv + math.log(2))
-    loose = np.concatenate([[first], math.log(2) + cgf[1:]])
-    tight = loose.copy()
-    n_exact = min(top, SWOR_EXACT_MAX_ORDER)
-    if n_exact >= 3:
-        differences = _swor_log_differences(float(sigma))
-        j = np.arange(3, n_exact + 1)
-        low = differences[2 * (j // 2) - 1]
-        high = differences[2 * ((j + 1) // 2) - 1]
-        tight[1 : n_exact - 1] = np.minimum(math.log(4) + 0.5 * (low + high), loose[1 : n_exact - 1])
-    a = orders[:, None].astype(float)
-    log_binomial = gammaln(a + 1) - gammaln(i + 1) - gammaln(np.maximum(a - i, 0) + 1)
-    per_term = np.where((orders <= SWOR_EXACT_MAX_ORDER)[:, None], tight[None, :], loose[None, :])
-    terms = np.where(i[None, :] <= a, per_term + i * math.log(q) + log_binomial, -np.inf)
-    return logsumexp(np.concatenate([np.zeros((len(orders), 1)), terms], axis=1), axis=1)
-
-
-@functools.lru_cache(maxsize=1024)
-def swor_gaussian_rdp(q: float, sigma: float) -> np.ndarray:
-    """RDP at every order of ``RDP_ORDERS`` of the Gaussian mechanism (noise multiplier ``sigma`` relative to the
-    replace-one sensitivity) on a uniformly random subset of fraction ``q``, replace-one adjacency.
-
-    Theorem 27 of Wang, Balle, Kasiviswanathan (2019) as ``dp_accounting`` evaluates it (fractional orders by its
-    Corollary 10 interpolation of log A between the neighbouring integers), at every order up to 1024 in ~20 ms
-    instead of dp_accounting's ~3.5 s; equal to dp_accounting's values to 1e-9 at the sample rates and noise levels
-    calibration visits, and an upper bound of the exact bound where float64 cannot resolve the forward differences
-    (see ``_swor_log_differences``).
-    """
-    if q >= 1.0:
-        return RDP_ORDERS / (2 * sigma**2)
-    integer = np.unique(np.concatenate([np.floor(RDP_ORDERS), np.ceil(RDP_ORDERS)]).astype(np.int64))
-    log_moments = dict(zip(integer.tolist(), _swor_log_moments(q, sigma, integer)))
-    log_moments[1] = 0.0
-    low = np.floor(RDP_ORDERS).astype(np.int64)
-    high = np.ceil(RDP_ORDERS).astype(np.int64)
-    t = RDP_ORDERS - low
-    x = np.array([log_moments[int(v)] for v in low])
-    y = np.array([log_moments[int(v)] for v in high])
-    return ((1 - t) * x + t * y) / (RDP_ORDERS - 1)
-
-
-def _rdp_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
-
-    total = np.zeros_like(RDP_ORDERS)
-    for event, count in history:
-        total = total + count * rdp_curve(event)
-    if not np.any(total):
-        return 0.0
-    epsilon, _ = compute_epsilon(RDP_ORDERS, total, delta)
-    if epsilon <= 0.0:
-        # dp_accounting answers exactly 0 when RDP at the smallest order is below delta^2 (a valid Pinsker-type
-        # bound). epsilon_for would then replace it by the coarse closed-form bound, so 1 step would cost more
-        # than 10 (max_steps assumes epsilon grows with the steps). Report the conversion of Balle et al. 2020
-        # (Proposition 12) without that shortcut instead: positive and nondecreasing in the RDP curve.
-        usable = RDP_ORDERS > 1.01
-        a, r = RDP_ORDERS[usable], np.maximum(total[usable], 0.0)
-        epsilon = float(np.min(r + np.log1p(-1 / a) - np.log(delta * a) / (a - 1)))
-    return max(0.0, float(epsilon))
-
-
 # --------------------------------------------------------------------------------------------- PLDs
-@functools.lru_cache(maxsize=256)
-def event_pld(event: PrivacyEvent):
-    """Pessimistic PLD (both adjacency directions) of one event, on the ``PLD_DISCRETIZATION`` grid; refused
-    (``AnalysisTooLarge``) when its grid would exceed ``PLD_MAX_EVENT_POINTS``, before anything is built."""
-    check_grid(f"{event}", pld_grid_points(event), PLD_MAX_EVENT_POINTS)
-    return _build_pld(event, PLD_DISCRETIZATION)
-
-
-def _build_pld(event: PrivacyEvent, d: float):
-    from dp_accounting import pld
-    from dp_accounting.pld import privacy_loss_distribution as plds
-
-    if isinstance(event, PoissonGaussianEvent):
-        return plds.from_gaussian_mechanism(
-            event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d
-        )
-    if isinstance(event, MixtureEvent):
-        # PLD of (branch, output) is (1 - p) * point_mass(0) + p * PLD_q, for the add and the remove direction.
-        inner = event_pld(event.event) if d == PLD_DISCRETIZATION else _build_pld(event.event, d)
-        return inner.compute_mixture(plds.identity(d), event.probability)
-    if isinstance(event, LaplaceEvent):
-        return plds.from_laplace_mechanism(event.noise_multiplier, value_discretization_interval=d)
-    if isinstance(event, ApproxDPEvent):
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(event.epsilon, event.delta), value_discretization_interval=d
-        )
-    if isinstance(event, ReplaceOneEvent):
-        from dporl.privacy.relations import replace_one_pld
-
-        return replace_one_pld(event.event)
-    if isinstance(event, SampledWithoutReplacementGaussianEvent):
-        raise ValidationError(
-            "accountant.mechanism",
-            "the pld accountant has no construction for sampling without replacement; use mechanism='rdp'",
-        )
-    raise ValidationError("event", f"the pld accountant cannot analyse {type(event).__name__}")
-
-
-# The coarse grid that predicts a composition's size has about this many points per event.
-_PREDICTION_POINTS = 20_000
-
-
-def predicted_composed_points(event: PrivacyEvent, count: int) -> int:
-    """Points of ``count`` self-compositions of ``event``'s PLD, predicted without building the fine grid: trivially
-    when ``count`` x the event's points fits ``PLD_MAX_POINTS``, else from the same composition bound on a grid
-    ``r`` times coarser (about ``_PREDICTION_POINTS`` points, milliseconds), times ``r``."""
-    points = pld_grid_points(event)
-    if points * count <= PLD_MAX_POINTS:
-        return points * count
-    ratio = max(1, points // _PREDICTION_POINTS)
-    coarse = event_pld(event) if ratio == 1 else _build_pld(event, PLD_DISCRETIZATION * ratio)
-    return composed_points(coarse, count) * ratio
-
-
-_COMPOSED_PLDS: "OrderedDict[tuple, Any]" = OrderedDict()
-_COMPOSED_CACHE_SIZE = 16
-
-
-def compose_sized(counted: Iterable[tuple[PrivacyEvent, int]], pld_of: Callable[[PrivacyEvent], Any], what: str = ""):
-    """``count`` self-compositions of ``pld_of(event)`` for every (event, count), composed; each result grid sized
-    (``check_grid``) before dp_accounting builds it. None for no events."""
-    result = None
-    for event, count in counted:
-        part = pld_of(event)
-        if count > 1:
-            check_grid(f"{count} x {event}{what}", composed_points(part, count))
-            part = part.self_compose(count)
-        if result is not None:
-            check_grid("the composed history", max(result._pmf_remove.size + part._pmf_remove.size,
-                                                   result._pmf_add.size + part._pmf_add.size))
-        result = part if result is None else result.compose(part)
-    return result
-
-
-def composed_pld(history: Iterable[tuple[PrivacyEvent, int]]):
-    """PLD of a whole history (order does not matter: composition commutes); None when nothing was spent."""
+def _spent_counts(history: Iterable[tuple[PrivacyEvent, int]]) -> Counter:
     counts: Counter = Counter()
     for event, count in history:
         if count and not spends_nothing(event):
             counts[event] += count
-    key = tuple(sorted(counts.items(), key=repr))
-    if key in _COMPOSED_PLDS:
-        _COMPOSED_PLDS.move_to_end(key)
-        return _COMPOSED_PLDS[key]
-    for event, count in key:
-        if count > 1:  # predicted before the event's fine grid is built
-            check_grid(f"{count} x {event}", predicted_composed_points(event, count))
-    result = compose_sized(key, event_pld)
-    _COMPOSED_PLDS[key] = result
-    if len(_COMPOSED_PLDS) > _COMPOSED_CACHE_SIZE:
-        _COMPOSED_PLDS.popitem(last=False)
-    return result
+    return counts
 
 
-def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    pld = composed_pld(history)
-    return 0.0 if pld is None else max(0.0, float(pld.get_epsilon_for_delta(delta)))
+def composed_pld(history: Iterable[tuple[PrivacyEvent, int]], coarsening: int = 1):
+    """PLD of a whole history (order does not matter: composition commutes) on its events' grid
+    (``dporl.privacy.pld.history_interval``), or on a grid ``coarsening`` times coarser (at most the coarsest);
+    None when nothing was spent. Sized before it is built (``dporl.privacy.pld.compose``)."""
+    counts = _spent_counts(history)
+    if not counts:
+        return None
+    return compose(counts, interval=history_interval(counts, coarsening))
+
+
+def _pld_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int = 1) -> float:
+    """The PLD's epsilon, never below one step of its grid: below that the grid does not resolve it (a PLD that
+    reports (0, delta) is then charged one step, so epsilon stays positive and non-decreasing in every count, and
+    non-increasing in the noise, whose grid gets finer as it grows; a composition coarsened to fit its size cap
+    only coarsens further as counts grow)."""
+    pld = composed_pld(history, coarsening)
+    if pld is None:
+        return 0.0
+    return max(float(epsilon_for_delta(pld, delta)), pld._pmf_remove._discretization)
 
 
 # --------------------------------------------------------------------------------------------- PRV
@@ -500,14 +177,14 @@ _EPSILON_FUNCTIONS = {"rdp": _rdp_epsilon, "pld": _pld_epsilon, "prv": _prv_epsi
 
 
 def check_analysable(event: PrivacyEvent, mechanism: str) -> None:
-    """Raise (with the reason) if ``mechanism`` cannot analyse ``event``; cheap for rdp/pld (cached)."""
+    """Raise (with the reason) if ``mechanism`` cannot analyse ``event``; cheap (nothing is composed)."""
     check_mechanism(mechanism)
     if spends_nothing(event):
         return
     if mechanism == "rdp":
         rdp_curve(event)
     elif mechanism == "pld":
-        event_pld(event)
+        check_constructible(event)  # whatever its size: one too large to build is answered by another bound
     else:
         _check_prv(event)
 
@@ -538,6 +215,8 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
             event = doubled_sensitivity(event.event)
         if isinstance(event, MixtureEvent):
             event = event.event
+        if isinstance(event, SelectionEvent):  # no closed form: the Renyi analysis alone answers
+            return math.inf
         if isinstance(event, (PoissonGaussianEvent, SampledWithoutReplacementGaussianEvent)):
             rho += count / (2 * event.noise_multiplier**2)
         elif isinstance(event, LaplaceEvent):
@@ -553,13 +232,44 @@ def _closed_form_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: flo
     return pure_epsilon + rho + 2 * math.sqrt(rho * math.log(1 / remaining))
 
 
+def _checked_history(events: Sequence[tuple[PrivacyEvent, int]], delta: float) -> list[tuple[PrivacyEvent, int]]:
+    check_delta(delta, allow_zero=True)
+    history = [(event, check_count("count", count)) for event, count in events]
+    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
+    if len(relations) > 1 and delta > 0:
+        raise ValidationError(
+            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
+        )
+    return history
+
+
 def _rdp_fallback(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
     """The RDP bound of ``history`` where every spending event has a Renyi curve, else inf (the closed-form bound of
-    ``epsilon_for`` then answers): what a numerical analysis too large to build is replaced by."""
+    ``epsilon_for`` then answers): what a PLD or PRV analysis too large to build is replaced by."""
     try:
         return _rdp_epsilon([(e, c) for e, c in history if c and not spends_nothing(e)], delta)
-    except ValidationError:  # an (epsilon, delta) event: no Renyi curve
+    except ValidationError:  # an (epsilon, delta) event or a replace-one conversion: no Renyi curve
         return math.inf
+
+
+def _bounded(analysis: Callable[[], float], history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
+    """``analysis()``, or where its grid would be too large to build the bound that replaces it, then never free:
+    the smaller of that and the closed-form bound (the latter alone where the backend reports 0).
+
+    Monotone in every count like the analyses themselves: an event too large to build (``AnalysisTooLarge``) is a
+    property of the set of events, answered by the RDP bound for every count; a composition too large on every grid
+    (``CompositionTooLarge``) stays so at larger counts, and is answered by the closed-form bound, which is at least
+    what any smaller count reported (that is the smaller of its backend and the same closed form)."""
+    try:
+        epsilon = analysis()
+    except CompositionTooLarge:
+        epsilon = math.inf
+    except AnalysisTooLarge:
+        epsilon = _rdp_fallback(history, delta)
+    if any(c and not spends_nothing(e) for e, c in history):
+        bound = _closed_form_epsilon(history, delta)
+        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
+    return epsilon
 
 
 def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechanism: Mechanism) -> float:
@@ -567,34 +277,44 @@ def epsilon_for(events: Sequence[tuple[PrivacyEvent, int]], delta: float, mechan
 
     The result is the smaller of two upper bounds: the backend's and the closed-form one of ``_closed_form_epsilon``.
     The latter matters only at very large noise multipliers, where the numerical analyses hit their floors (the
-    RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free.
+    RDP conversion at the largest order) or underflow to exactly 0, which would report a spend as free. At
+    ``delta`` = 0: the pure-DP epsilon (``pure_epsilon``).
 
-    Bounded in time and memory: ``delta`` above ``MAX_DELTA`` is refused (``check_delta``), and a PLD or PRV grid
-    larger than ``PLD_MAX_POINTS`` (tiny noise multipliers, sized before anything is built) is replaced by the RDP
-    bound, or the closed-form one for events without a Renyi curve; every answer is still an upper bound.
+    Bounded in time and memory: ``delta`` above ``MAX_DELTA`` is refused (``check_delta``); PLD grids are sized
+    before they are built (``dporl.privacy.pld``): an event whose PMF would be too large (a tiny noise multiplier)
+    is answered by the RDP bound (or the closed-form one for events without a Renyi curve), a composition too large
+    is built on a coarser grid (or answered by the closed-form bound); a PRV domain too large, by the RDP bound.
+    Every answer is an upper bound, and PLD answers stay non-decreasing in every count.
     """
     check_mechanism(mechanism)
-    check_delta(delta, allow_zero=True)
-    history = [(event, check_count("count", count)) for event, count in events]
+    history = _checked_history(events, delta)
     if delta == 0:
         return pure_epsilon(history)
-    relations = {adjacency(e) for e, c in history if c and not spends_nothing(e)}
-    if len(relations) > 1:
-        raise ValidationError(
-            "events", f"cannot compose events analysed under different neighbouring relations {sorted(relations)}"
-        )
     if not any(c for _, c in history):
         for event, _ in history:
             check_analysable(event, mechanism)
         return 0.0
-    try:
-        epsilon = _EPSILON_FUNCTIONS[mechanism](history, float(delta))
-    except AnalysisTooLarge:  # a grid too large to build: the RDP bound (where every event has one) answers
-        epsilon = _rdp_fallback(history, float(delta))
-    if any(c and not spends_nothing(e) for e, c in history):
-        bound = _closed_form_epsilon(history, float(delta))
-        epsilon = bound if epsilon == 0.0 else min(epsilon, bound)
-    return epsilon
+    delta = float(delta)
+    return _bounded(lambda: _EPSILON_FUNCTIONS[mechanism](history, delta), history, delta)
+
+
+def coarse_pld_epsilon(events: Sequence[tuple[PrivacyEvent, int]], delta: float, coarsening: int) -> float:
+    """``epsilon_for(events, delta, "pld")`` on a grid ``coarsening`` times coarser than the events' own (at most the
+    coarsest grid, where it is ``epsilon_for`` itself): a looser upper bound at a fraction of the cost, which searches
+    use to get close before they evaluate the real analysis."""
+    history = _checked_history(events, delta)
+    if delta == 0:
+        return pure_epsilon(history)
+    if not _spent_counts(history):
+        return 0.0
+    delta = float(delta)
+    return _bounded(lambda: _pld_epsilon(history, delta, coarsening), history, delta)
+
+
+def pld_is_coarsest(events: Sequence[tuple[PrivacyEvent, int]]) -> bool:
+    """Whether the PLD analysis of ``events`` already uses the coarsest grid (``coarse_pld_epsilon`` is then exact)."""
+    counts = _spent_counts(events)
+    return not counts or history_interval(counts) >= COARSEST
 
 
 def pure_epsilon(history: Sequence[tuple[PrivacyEvent, int]]) -> float:

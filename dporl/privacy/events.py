@@ -111,16 +111,51 @@ class ReplaceOneEvent:
             raise ValidationError("event", "this event is already analysed for replace-one neighbours")
 
 
+@dataclass(frozen=True)
+class SelectionEvent:
+    """Release the best of K independent runs of one trial mechanism, K random (Liu & Talwar 2019, "Private selection
+    from private candidates"; Papernot & Steinke 2022, "Hyperparameter tuning with Renyi differential privacy").
+
+    ``trial``: the trial's events as its ledger records them, as parts composed in parallel (one per cell of the
+    trial's partition of the units; a single part without one), each part a sequential composition of
+    (event, count) pairs. ``distribution``: "negative_binomial" (K on {1, 2, ...} with P[K = k] proportional to
+    (1 - gamma)^k prod_{l<k} (l + eta) / (l + 1); eta = 1 geometric, eta = 0 logarithmic, gamma = 1 exactly one run)
+    or "poisson" (K ~ Poisson(mu) on {0, 1, ...}; K = 0 releases nothing). ``dporl.privacy.selection`` analyses it.
+    """
+
+    trial: tuple
+    distribution: str = "negative_binomial"
+    eta: float = 1.0
+    gamma: float = 1.0
+    mu: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.distribution not in ("negative_binomial", "poisson"):
+            raise ValidationError("selection.distribution", f"expected 'negative_binomial' or 'poisson', got "
+                                  f"{self.distribution!r}")
+        if isinstance(self.eta, bool) or not isinstance(self.eta, (int, float)) or not 0 <= self.eta < float("inf"):
+            raise ValidationError("selection.eta", f"must be a finite number >= 0, got {self.eta!r}")
+        check_probability("selection.gamma", self.gamma, allow_zero=False)
+        check_positive("selection.mu", self.mu)
+        if not isinstance(self.trial, tuple) or not self.trial:
+            raise ValidationError("selection.trial", "the trial's events: a non-empty tuple of parts")
+        for part in self.trial:
+            if not isinstance(part, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], int) and pair[1] >= 0
+                and isinstance(pair[0], _EVENT_CLASSES) and not isinstance(pair[0], SelectionEvent) for pair in part
+            ):
+                raise ValidationError("selection.trial", "each part is a tuple of (event, count) pairs (a trial is no "
+                                      f"selection itself), got {part!r}")
+
+
 PrivacyEvent = Union[
     PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent,
-    ReplaceOneEvent,
+    ReplaceOneEvent, SelectionEvent,
 ]
 
-_EVENT_TYPES = {
-    cls.__name__: cls
-    for cls in (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent, SampledWithoutReplacementGaussianEvent,
-                ReplaceOneEvent)
-}
+_EVENT_CLASSES = (PoissonGaussianEvent, MixtureEvent, ApproxDPEvent, LaplaceEvent,
+                  SampledWithoutReplacementGaussianEvent, ReplaceOneEvent, SelectionEvent)
+_EVENT_TYPES = {cls.__name__: cls for cls in _EVENT_CLASSES}
 
 
 def event_to_dict(event: PrivacyEvent) -> dict[str, Any]:
@@ -129,6 +164,8 @@ def event_to_dict(event: PrivacyEvent) -> dict[str, Any]:
     for field in dataclasses.fields(event):
         value = getattr(event, field.name)
         payload[field.name] = event_to_dict(value) if dataclasses.is_dataclass(value) else value
+    if isinstance(event, SelectionEvent):  # parts of (event, count) pairs
+        payload["trial"] = [[[event_to_dict(e), c] for e, c in part] for part in event.trial]
     return payload
 
 
@@ -137,5 +174,13 @@ def event_from_dict(payload: dict[str, Any]) -> PrivacyEvent:
     name = payload.pop("type", None)
     if name not in _EVENT_TYPES:
         raise ValidationError("event.type", f"unknown privacy event {name!r}")
+    if name == "SelectionEvent":
+        trial = payload.get("trial")
+        if not isinstance(trial, list) or not all(
+            isinstance(part, list) and all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], dict)
+                                           for pair in part) for part in trial
+        ):
+            raise ValidationError("event.trial", "a selection's trial: a list of parts of [event, count] pairs")
+        payload["trial"] = tuple(tuple((event_from_dict(e), c) for e, c in part) for part in trial)
     kwargs = {k: event_from_dict(v) if isinstance(v, dict) else v for k, v in payload.items()}
     return _EVENT_TYPES[name](**kwargs)

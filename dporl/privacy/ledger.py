@@ -67,9 +67,9 @@ from dporl.privacy.accountants import (
     analysis_name,
     check_count,
     check_delta,
+    check_analysable,
     check_mechanism,
     epsilon_for,
-    event_pld,
     spends_nothing,
     within_budget,
 )
@@ -547,7 +547,7 @@ class PrivacyLedger:
         prior = tuple((e, c) for s in others for e, c in s.accountant.history if c)
         for event, _ in prior:
             if not spends_nothing(event):
-                event_pld(event)  # a named refusal when the joint analysis cannot cover an earlier stage
+                check_analysable(event, "pld")  # a named refusal when the joint analysis cannot cover an earlier stage
         return SharedBudget(self.budget[0], total, prior)
 
     def _get(self, name: str) -> Stage:
@@ -586,6 +586,24 @@ class PrivacyLedger:
                 f"ledger.{stage}", f"this run's guarantee is for replace-one neighbours and {event} is analysed for "
                 "add/remove only: record relations.analysed_for(ledger.relation, event)"
             )
+
+    def adopt_authorised(self, stage: str, event: PrivacyEvent, count: int) -> None:
+        """Declare that the last ``count`` recorded runs of ``event`` in ``stage`` (authorised by an earlier attempt,
+        recovered from its journal) have not produced anything this run keeps: the next ``count`` ``record`` calls
+        consume them without charging again. For a resumed loop that replays them from saved state with the same
+        secret randomness (the same mechanism run, not a new one). Only runs already charged can be adopted."""
+        s = self._get(stage)
+        count = check_count("count", count)
+        tail = s.accountant.history[-1] if s.accountant.history else None
+        available = tail[1] if tail is not None and tail[0] == event else 0
+        adopted = self._ahead.get((stage, event), 0) + count
+        if adopted > available:
+            raise ValidationError(
+                f"ledger.{stage}", f"cannot adopt {adopted} authorised runs of {event}: the journal's last entry for "
+                f"this stage charges {available} of them"
+            )
+        if count:
+            self._ahead[(stage, event)] = adopted
 
     def _charge(self, stage: str, event: PrivacyEvent, count: int) -> None:
         s = self._get(stage)
@@ -770,7 +788,7 @@ class PrivacyLedger:
         try:
             for event, _ in events:
                 if not spends_nothing(event):
-                    event_pld(event)
+                    check_analysable(event, "pld")
         except ValidationError as exc:
             return None, str(exc)
         if total_delta >= 1:

@@ -11,9 +11,11 @@ Replacing x by x' is removing x and then adding x' (D -> D + x' -> D'), and this
   ``dp_accounting``'s privacy loss distribution for ``NeighboringRelation.REPLACE_ONE``. x and x' are each sampled
   with probability q and pull the clipped sum in opposite directions, so the worst pair of outputs is
   (1 - q) N(0, s^2) + q N(-1, s^2) against (1 - q) N(0, s^2) + q N(+1, s^2) (per-unit norm 1, noise multiplier s):
-  its privacy loss is the remove loss plus the add loss at the same output. Composed exactly (FFT), pessimistic
-  discretisation ``REPLACE_ONE_DISCRETIZATION`` (1e-4: at sample rates 1e-3..1e-2 and up to 3e4 steps it is within
-  0.3% of 2e-5, while 1e-3 overstates epsilon by up to 30%).
+  its privacy loss is the remove loss plus the add loss at the same output (``ReplaceOneEvent``, built by
+  ``dporl.privacy.pld.replace_one_pld``). Composed exactly (FFT, sized before it is built), pessimistic
+  discretisation on the events' add/remove grid (``dporl.privacy.pld``: finer for narrower per-step losses), at most
+  ``REPLACE_ONE_DISCRETIZATION`` (1e-4: at sample rates 1e-3..1e-2 and up to 3e4 steps it is within 0.3% of 2e-5,
+  while 1e-3 overstates epsilon by up to 30%).
 - Laplace: the replace-one L1 sensitivity is at most twice the add/remove one (triangle inequality through D + x'),
   exact for the unsampled mechanism.
 - An event known only as (eps, delta)-DP for add/remove: group privacy over the two steps, (2 eps, (1 + e^eps) delta)
@@ -27,21 +29,15 @@ add/remove) is refused: a guarantee about datasets of one size says nothing abou
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Sequence
 
 from dporl.privacy.accountants import (
     Mechanism,
-    _closed_form_epsilon,
     adjacency,
-    AnalysisTooLarge,
     check_count,
     check_delta,
-    check_grid,
-    compose_sized,
     epsilon_for,
-    pld_grid_points,
     spends_nothing,
     within_budget,
 )
@@ -53,12 +49,12 @@ from dporl.privacy.events import (
     PrivacyEvent,
     ReplaceOneEvent,
 )
+from dporl.privacy.pld import REPLACE_ONE_DISCRETIZATION, replace_one_pld
 from dporl.privacy.units import Relation
 from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive
 
 ADD_REMOVE, REPLACE_ONE = Relation.ADD_REMOVE, Relation.REPLACE_ONE
 RELATIONS = (ADD_REMOVE, REPLACE_ONE)
-REPLACE_ONE_DISCRETIZATION = 1e-4
 
 CONVERSION = (
     "add/remove events analysed for replace-one neighbours (a replacement = one removal + one addition): "
@@ -96,37 +92,6 @@ def check_relation(field: str, relation: Relation | str) -> Relation:
     return relation
 
 
-@functools.lru_cache(maxsize=256)
-def replace_one_pld(event: PrivacyEvent):
-    """The replace-one privacy loss distribution of one add/remove ``event`` (see the module docstring)."""
-    import dp_accounting
-    from dp_accounting import pld
-    from dp_accounting.pld import privacy_loss_distribution as plds
-
-    d = REPLACE_ONE_DISCRETIZATION
-    check_grid(f"{event} (replace-one)", pld_grid_points(event, d, sensitivity=2.0))  # sized before it is built
-    if isinstance(event, PoissonGaussianEvent):
-        return plds.from_gaussian_mechanism(
-            event.noise_multiplier, sampling_prob=event.sample_rate, value_discretization_interval=d,
-            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
-        )
-    if isinstance(event, MixtureEvent):
-        return replace_one_pld(event.event).compute_mixture(plds.identity(d), event.probability)
-    if isinstance(event, LaplaceEvent):
-        return plds.from_laplace_mechanism(event.noise_multiplier, sensitivity=2, value_discretization_interval=d)
-    if isinstance(event, ApproxDPEvent):
-        epsilon, delta = (
-            (event.epsilon, event.delta) if event.replace_one
-            else (2 * event.epsilon, min(1.0, (1 + math.exp(event.epsilon)) * event.delta))
-        )
-        return plds.from_privacy_parameters(
-            pld.common.DifferentialPrivacyParameters(epsilon, delta), value_discretization_interval=d
-        )
-    raise ValidationError(
-        "event", f"no replace-one PLD for {type(event).__name__}; it is analysed for replace-one natively (use rdp)"
-    )
-
-
 def doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
     """The same release with twice the sensitivity: what the closed-form fallback charges for a replacement."""
     if isinstance(event, MixtureEvent):
@@ -141,19 +106,10 @@ def doubled_sensitivity(event: PrivacyEvent) -> PrivacyEvent:
 
 
 def _converted_epsilon(history: Sequence[tuple[PrivacyEvent, int]], delta: float) -> float:
-    counts: dict[PrivacyEvent, int] = {}
-    for event, count in history:
-        if count and not spends_nothing(event):
-            counts[event] = counts.get(event, 0) + count
-    if not counts:
-        return 0.0
-    bound = _closed_form_epsilon([(doubled_sensitivity(e), c) for e, c in counts.items()], delta)
-    try:
-        composed = compose_sized(counts.items(), replace_one_pld, " (replace-one)")
-    except AnalysisTooLarge:  # a grid too large to build (tiny noise): the closed-form bound answers
-        return bound
-    epsilon = max(0.0, float(composed.get_epsilon_for_delta(delta)))
-    return bound if epsilon == 0.0 else min(epsilon, bound)
+    """An add/remove history's epsilon for replace-one neighbours: each event as ``ReplaceOneEvent`` (the replace-one
+    PLD, ``dporl.privacy.pld.replace_one_pld``), composed by ``epsilon_for``'s PLD analysis (sized, and never below
+    one grid step or above the closed-form bound at twice the sensitivity)."""
+    return epsilon_for([(ReplaceOneEvent(e), c) for e, c in history if c and not spends_nothing(e)], delta, "pld")
 
 
 def epsilon_for_relation(
@@ -236,5 +192,6 @@ __all__ = [
     "check_relation",
     "epsilon_for_relation",
     "relation_of",
+    "REPLACE_ONE_DISCRETIZATION",
     "replace_one_pld",
 ]

@@ -7,7 +7,8 @@ It records the provenance of the run that wrote it (the trainer's config hash an
 loaded only by that run.
 
 The privacy spend is not in the checkpoint: the run's write-ahead journal (``dporl.train.run_dir``) holds every
-authorised event, and recovery charges them as recorded.
+authorised event, and recovery charges them as recorded. The checkpoint records what the journal charged when it
+was written (``RunDirectory.journal_witness``), so a journal that charges less than a checkpoint saw is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from dporl.utils.io import atomic_torch_save, load_weights
 from dporl.utils.validation import ValidationError
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3  # 3: records the journal's chain head and charges at the time it was written
 _REQUIRED_KEYS = {
     "format": int,
     "pipeline": str,
@@ -32,6 +33,7 @@ _REQUIRED_KEYS = {
     "scheduler": dict,
     "eval_history": list,
     "rng": dict,
+    "journal": dict,
 }
 
 

@@ -16,12 +16,25 @@ Privacy randomness: the private sampler and the DP noise are the streams ``"<sta
 ``dp.noise_seed``). The journal (the ledger's write-ahead log) authorises blocks of ``journal_every`` steps before
 they run; on resume every authorised step is charged as recorded, run or not.
 
-An algorithm is an ``nn.Module`` with a ``privacy_unit`` and either
-``row_losses(batch) -> Tensor[n_rows]`` (autograd; the engine clips per unit), or
-``weighted_row_losses(batch) -> (Tensor[n_rows], Tensor[n_rows])`` (row losses and weights |w| <= 1 that scale each
-unit's gradient after clipping: reward-level Q-learning's clipped-TD semi-gradient), or
-``unit_directions(batch) -> Tensor[n_units, D]`` (closed-form update directions, e.g. GPOPE), and optionally
-``on_step_end(step)`` (target-network updates and other post-processing). It never adds noise itself.
+No paid step is thrown away. A checkpoint (with the sampler's and the noise's generator states) is written before
+every block is authorised (step 0 included) and at least every ``checkpoint_every`` steps, so after a crash the
+journal charges at most one block more than the checkpoint holds. A resumed loop restores the checkpoint and first
+runs those charged steps again: same iterate, same generator states, hence the same batches and the same noise (the
+same mechanism run, bit for bit on the CPU; on CUDA, non-deterministic kernels may change the last bits of the
+replayed iterates, never the draws), consuming their authorisation instead of charging anew. At the end the steps
+the model was trained for equal the steps charged, whatever interrupted the run; the step a crash interrupted is
+one of the replayed ones. Only when a resumed run's per-step event differs from the one that was charged (a library
+user changing the source) are such steps counted as charged and lost, and the run says so.
+
+Interrupts (``dporl.train.interrupt``): SIGINT / SIGTERM finish the step in flight, checkpoint, and raise
+``Interrupted`` (the command line prints where it stopped and the command that continues it).
+
+An algorithm is a ``dporl.algos.base.PrivateAlgorithm``: it declares its privacy unit, the batch keys it reads and
+its loss form, and the loop dispatches on that declaration: ``row_losses(batch)`` (autograd; the engine clips per
+unit), ``weighted_row_losses(batch)`` (row losses and weights |w| <= 1 that scale each unit's gradient after
+clipping: reward-level Q-learning's clipped-TD semi-gradient) or ``unit_directions(batch)`` (closed-form update
+directions, e.g. GPOPE, clipped as whole vectors), then ``on_step_end(step)`` (target-network updates and other
+post-processing). It never adds noise itself.
 
 Accounting: every step records the source's per-step event (a mixture event for Algorithm 3, whatever branch
 the step took), because the analysis is of the mechanism the sampler runs, not of the branch it happened to draw;
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +54,7 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from dporl.algos.base import LossForm, PrivateAlgorithm, declaration_of
 from dporl.logging import CURATOR_PREFIX, RunLogger
 from dporl.privacy.calibration import STEP_SEARCH_LIMIT, calibrate_noise_multiplier, max_steps
 from dporl.privacy.dpsgd import DPSGDEngine, write_flat_gradients
@@ -48,6 +63,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.randomness import SecretRoot
 from dporl.privacy.relations import analysed_for
 from dporl.privacy.units import as_unit
+from dporl.train import interrupt
 from dporl.train.checkpoint import load_checkpoint, save_checkpoint
 from dporl.train.config import DPConfig, OptimizerConfig, TrainerConfig
 from dporl.train.run_dir import RunDirectory, config_sha256
@@ -63,7 +79,7 @@ Evaluator = Callable[[nn.Module], Mapping[str, float]]
 @dataclass
 class TrainResult:
     steps: int  # optimizer steps taken by the returned model
-    budget_steps: int  # privacy-costing steps counted by the ledger (>= steps after an interruption)
+    budget_steps: int  # privacy-costing steps of this stage charged by the ledger (== steps of a private run)
     noise_multiplier: Optional[float]
     metrics: dict[str, float]  # every metric of the last evaluation (curator view)
     privacy: dict[str, Any]
@@ -157,7 +173,7 @@ class Trainer:
 
     def __init__(
         self,
-        algorithm: nn.Module,
+        algorithm: PrivateAlgorithm,
         source: Any,
         *,
         config: TrainerConfig,
@@ -171,9 +187,8 @@ class Trainer:
         public_evaluators: Collection[str] = (),
         secret_root: Optional[SecretRoot] = None,
     ):
-        if not any(hasattr(algorithm, name) for name in ("row_losses", "weighted_row_losses", "unit_directions")):
-            raise ValidationError("algorithm", "needs row_losses(batch), weighted_row_losses(batch) or unit_directions(batch)")
-        _check_same_unit(algorithm, source)  # before anything is written
+        self.declaration = declaration_of(algorithm)  # a ContractError before anything is written
+        _check_same_unit(algorithm, source)
         self.algorithm = algorithm
         self.source = source
         self.config = config
@@ -192,6 +207,7 @@ class Trainer:
         self.secret_root = secret_root
         self.device = resolve_device(config.device, "trainer.device")
         self._engine: Optional[DPSGDEngine] = None
+        self.current_step = 0  # the step being taken (1-based) while fit() runs; for progress hooks
 
     @property
     def checkpoint_path(self) -> Path:
@@ -225,7 +241,7 @@ class Trainer:
     def _open_stage(self) -> None:
         """The private stage of this run, in the ledger: budget, analysis and the privacy unit (the source's grouping
         owns it: an algorithm declaring another unit was refused at construction, ``_check_same_unit``)."""
-        unit = getattr(self.algorithm, "privacy_unit", None)
+        unit = self.algorithm.privacy_unit
         if unit is None:
             raise ValidationError("algorithm.privacy_unit", "a private run must say what it protects")
         unit = as_unit(unit)
@@ -263,13 +279,21 @@ class Trainer:
                 self._engine = None
 
     def _fit(self) -> TrainResult:
-        config = self.config
-        provenance = self.provenance_config()
         # Checks first, writes after: a refused run leaves its directory as it found it.
+        owned = self.run is None
         run = self.run or RunDirectory(
-            self.run_dir, pipeline=self.pipeline, config=provenance, mode="resume" if config.resume else "new"
+            self.run_dir, pipeline=self.pipeline, config=self.provenance_config(),
+            mode="resume" if self.config.resume else "new",
         )
-        trainer_sha256 = config_sha256(provenance)
+        try:
+            return self._fit_in(run)
+        finally:
+            if owned:
+                run.close()
+
+    def _fit_in(self, run: RunDirectory) -> TrainResult:
+        config = self.config
+        trainer_sha256 = config_sha256(self.provenance_config())
         self.algorithm.to(self.device)
         if hasattr(self.source, "to"):  # rows live on the device; sampling decisions stay on the CPU
             self.source.to(self.device)
@@ -279,14 +303,18 @@ class Trainer:
         sigma, event, planned = self._plan_privacy()
         generator, noise = self._streams()
 
-        step, eval_history, checkpointed_budget = 0, [], 0
+        step, eval_history, checkpointed = 0, [], 0
+        saved_at: Optional[int] = None  # the step the checkpoint on disk holds
         if run.checkpoint_path.exists():
             if not config.resume:
                 raise ValidationError("trainer.resume", f"{run.checkpoint_path} exists; resume or use a new run_dir")
             state = load_checkpoint(run.checkpoint_path)
             self._check_same_run(state, trainer_sha256, run.inputs)
+            # The journal must charge at least what the checkpoint saw charged, with the same events.
+            run.check_witness(state["journal"], f"the checkpoint {run.checkpoint_path} (step {state['step']})")
             self._restore(state, optimizer, scheduler, generator, noise)
-            step, checkpointed_budget, eval_history = state["step"], state["budget_steps"], state["eval_history"]
+            step, checkpointed, eval_history = state["step"], state["budget_steps"], state["eval_history"]
+            saved_at = step
 
         run.begin()
         if not self.ledger.journaled:
@@ -300,14 +328,19 @@ class Trainer:
                 expected_batch_size=self.source.expected_batch_size,
                 noise=noise,
                 # Closed-form directions are clipped as whole vectors: no per-layer tape, any parameter type.
-                mode="naive" if hasattr(self.algorithm, "unit_directions") else self.dp.clipping,
+                mode="naive" if self.declaration.loss_form is LossForm.UNIT_DIRECTIONS else self.dp.clipping,
             )
             self._engine = engine
             self._open_stage()
-            budget_steps, total_budget_steps = self._charged_and_total(event, planned, checkpointed_budget)
+            charged, ahead, total_budget_steps = self._resume_plan(event, planned, checkpointed)
+            if ahead:
+                self.ledger.adopt_authorised(self.stage, event, ahead)
         else:
-            budget_steps, total_budget_steps = checkpointed_budget, planned
-        authorised = budget_steps
+            charged, ahead, total_budget_steps = checkpointed, 0, planned
+        budget_steps = checkpointed  # steps of this stage the model has taken (each one charged)
+        authorised = checkpointed + ahead
+        if step or charged:
+            self._announce_resume(step, charged, ahead, total_budget_steps)
 
         public = RunLogger(run.release / "tensorboard")
         curator = RunLogger(run.curator / "tensorboard", enabled=config.curator_diagnostics, wall_clock=True)
@@ -316,41 +349,65 @@ class Trainer:
             public.text("privacy/plan", f"per-step event: {event_to_dict(event)}; steps allowed: {total_budget_steps}")
         progress = _progress(total_budget_steps, budget_steps, config.progress, self.stage)
         last_log = time.perf_counter()
+
+        def save() -> None:
+            nonlocal saved_at
+            if saved_at != step:
+                self._save(run, trainer_sha256, step, budget_steps, optimizer, scheduler, generator, noise,
+                           eval_history)
+                saved_at = step
+
         try:
-            while budget_steps < total_budget_steps:
-                if event is not None and budget_steps >= authorised:  # write-ahead: journaled before they run
-                    block = min(total_budget_steps - budget_steps, config.journal_every)
-                    self.ledger.authorise(self.stage, event, block)
-                    authorised = budget_steps + block
-                if event is not None:  # consumes the authorisation: a step the ledger refuses never happens
-                    self.ledger.record(self.stage, event)
-                # Curator diagnostics are computed on logging steps only (each one waits for the device).
-                wanted = config.curator_diagnostics and (step + 1) % config.log_every == 0
-                diagnostics = self._step(self.source.sample(generator), engine, optimizer, diagnostics=wanted)
-                scheduler.step()
-                step += 1
-                budget_steps += 1
-                progress.update(1)
-                if hasattr(self.algorithm, "on_step_end"):
+            with interrupt.deferred_interrupts():
+                while budget_steps < total_budget_steps:
+                    if event is not None and budget_steps >= authorised:  # write-ahead: journaled before they run
+                        save()  # every block starts from a checkpoint: a resume replays at most this block
+                        block = min(total_budget_steps - budget_steps, config.journal_every)
+                        self.ledger.authorise(self.stage, event, block)
+                        authorised = budget_steps + block
+                    if event is not None:  # consumes the authorisation: a step the ledger refuses never happens
+                        self.ledger.record(self.stage, event)
+                    self.current_step = step + 1
+                    # Curator diagnostics are computed on logging steps only (each one waits for the device).
+                    wanted = config.curator_diagnostics and (step + 1) % config.log_every == 0
+                    diagnostics = self._step(self.source.sample(generator), engine, optimizer, diagnostics=wanted)
+                    scheduler.step()
+                    step += 1
+                    budget_steps += 1
+                    progress.update(1)
                     self.algorithm.on_step_end(step)
-                if step % config.log_every == 0:
-                    now = time.perf_counter()
-                    public.scalars({"train/lr": optimizer.param_groups[0]["lr"]}, step)
-                    # Step timing depends on realised batch sizes: curator-only, like the diagnostics.
-                    timing = {CURATOR_PREFIX + "steps_per_second": config.log_every / max(now - last_log, 1e-9)}
-                    last_log = now
-                    curator.scalars({**timing, **{CURATOR_PREFIX + k: v for k, v in diagnostics.items()}}, step)
-                if step % config.eval_every == 0 or budget_steps == total_budget_steps:
-                    metrics = self._evaluate()
-                    if self.dp is not None:  # the run's guarantee (every stage) and each stage's epsilon
-                        metrics.update(self.ledger.report().scalars())
-                    eval_history.append((step, metrics))
-                    public.scalars(self._public(metrics), step)
-                    curator.scalars(metrics, step)
-                    progress.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in list(self._public(metrics).items())[:3]})
-                if step % config.checkpoint_every == 0 or budget_steps == total_budget_steps:
-                    self._save(run, trainer_sha256, step, budget_steps, optimizer, scheduler, generator, noise,
-                               eval_history)
+                    if step % config.log_every == 0:
+                        now = time.perf_counter()
+                        public.scalars({"train/lr": optimizer.param_groups[0]["lr"]}, step)
+                        # Step timing depends on realised batch sizes: curator-only, like the diagnostics.
+                        timing = {CURATOR_PREFIX + "steps_per_second": config.log_every / max(now - last_log, 1e-9)}
+                        last_log = now
+                        curator.scalars({**timing, **{CURATOR_PREFIX + k: v for k, v in diagnostics.items()}}, step)
+                    if step % config.eval_every == 0 or budget_steps == total_budget_steps:
+                        metrics = self._evaluate()
+                        if self.dp is not None:  # the run's guarantee (every stage) and each stage's epsilon
+                            metrics.update(self.ledger.report().scalars())
+                        eval_history.append((step, metrics))
+                        public.scalars(self._public(metrics), step)
+                        curator.scalars(metrics, step)
+                        progress.set_postfix({k.split("/")[-1]: f"{v:.3g}"
+                                              for k, v in list(self._public(metrics).items())[:3]})
+                    if step % config.checkpoint_every == 0 or budget_steps == total_budget_steps:
+                        save()
+                    signum = interrupt.pending()
+                    if signum is not None and budget_steps < total_budget_steps:
+                        save()  # the step in flight finished: nothing trained is lost
+                        spent = len(self.ledger.stages[self.stage].accountant) if self.dp is not None else step
+                        raise interrupt.Interrupted(
+                            signum, step=step, total=total_budget_steps,
+                            detail=(f"{step} steps trained and checkpointed; {spent} charged"
+                                    + (f" ({spent - step} authorised ahead: a resume trains them first)"
+                                       if spent > step else "")),
+                        )
+        except BaseException:  # flush what was logged; the checkpoint and the journal say where the run stopped
+            public.close()
+            curator.close()
+            raise
         finally:
             progress.close()
 
@@ -365,7 +422,7 @@ class Trainer:
         curator.close()
         result = TrainResult(
             steps=step,
-            budget_steps=budget_steps,
+            budget_steps=len(self.ledger.stages[self.stage].accountant) if self.dp is not None else budget_steps,
             noise_multiplier=sigma,
             metrics=final,
             privacy=report.to_dict(),
@@ -401,8 +458,9 @@ class Trainer:
             raise ValidationError("dp.noise_seed", "the run's SecretRoot is given: its seed is the run's noise_seed")
         return root.torch_generator(f"{self.stage}/sampler"), root.noise(f"{self.stage}/noise")
 
-    def _charged_and_total(self, event: PrivacyEvent, planned: int, checkpointed: int) -> tuple[int, int]:
-        """(steps of this stage already charged, total it may take): an earlier attempt's authorisations count."""
+    def _resume_plan(self, event: PrivacyEvent, planned: int, checkpointed: int) -> tuple[int, int, int]:
+        """(steps of this stage charged, charged steps the checkpoint has not trained and this run replays, steps
+        the model will have trained at the end). An earlier attempt's authorisations count as spent."""
         history = self.ledger.stages[self.stage].accountant.history
         charged = sum(count for _, count in history)
         if charged < checkpointed:
@@ -410,18 +468,33 @@ class Trainer:
                 "journal", f"the checkpoint records {checkpointed} private steps but the journal only {charged}: "
                 "refusing to under-count (was the journal removed?)"
             )
+        unrun = charged - checkpointed
         if all(recorded == event for recorded, _ in history):
-            return charged, max(planned, charged)
+            return charged, unrun, max(planned, charged)
         # The journal holds other events (an earlier attempt's, charged as recorded): fit what is left around them.
+        # Charged steps of another event cannot be replayed under this one: they stay charged, and are lost.
+        tail_event, tail_count = history[-1]
+        ahead = min(unrun, tail_count) if tail_event == event else 0
+        if unrun > ahead:
+            print(f"resume: stage {self.stage!r}: {unrun - ahead} charged steps were authorised under another "
+                  "per-step event and cannot be replayed under this run's: they stay charged and are lost",
+                  file=sys.stderr)
         cap = STEP_SEARCH_LIMIT if self.config.max_steps is None else max(self.config.max_steps - charged, 0)
-        return charged, charged + self.ledger.remaining(self.stage, event, cap)
+        return charged, ahead, checkpointed + ahead + self.ledger.remaining(self.stage, event, cap)
+
+    def _announce_resume(self, step: int, charged: int, ahead: int, total: int) -> None:
+        """What a resumed loop found and will do (step counts are functions of the budget and the config)."""
+        replay = (f"; {ahead} charged steps are not in the checkpoint: they run first, from it, with the secret "
+                  "randomness they were charged for (charged once)" if ahead else "")
+        print(f"resume: stage {self.stage!r}: {step} steps trained, {charged if self.dp is not None else step} "
+              f"charged{replay}; {max(total - step, 0)} steps to come (of {total})", file=sys.stderr)
     def _step(
         self, batch: Any, engine: Optional[DPSGDEngine], optimizer: torch.optim.Optimizer, diagnostics: bool = True
     ) -> dict[str, float]:
         """One optimizer step; curator diagnostics (raw losses, clip statistics) only when ``diagnostics``."""
         batch = batch.to(self.device)
         optimizer.zero_grad(set_to_none=True)
-        closed_form = hasattr(self.algorithm, "unit_directions")
+        closed_form = self.declaration.loss_form is LossForm.UNIT_DIRECTIONS
         values: dict[str, float] = {}
         if batch.private:
             if engine is None:
@@ -457,9 +530,9 @@ class Trainer:
         return values
 
     def _row_losses(self, batch: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(row losses, row weights or None): ``weighted_row_losses`` when the algorithm has it (weights scale each
-        unit's gradient after clipping, see ``DPSGDEngine.private_backward``), else ``row_losses``."""
-        if hasattr(self.algorithm, "weighted_row_losses"):
+        """(row losses, row weights or None), as the algorithm's loss form declares: weighted row losses (weights
+        scale each unit's gradient after clipping, see ``DPSGDEngine.private_backward``) or plain ones."""
+        if self.declaration.loss_form is LossForm.WEIGHTED_ROW_LOSSES:
             return self.algorithm.weighted_row_losses(batch)
         return self.algorithm.row_losses(batch), None
 
@@ -483,6 +556,8 @@ class Trainer:
                 "config": self.pipeline_config,  # JSON data (pipelines' checkpoint hooks read it; curator-only)
                 "step": step,
                 "budget_steps": budget_steps,
+                # what the journal charged when this was written: a resumed run refuses a journal charging less
+                "journal": run.journal_witness(self.stage),
                 "algorithm": self.algorithm.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
@@ -524,9 +599,9 @@ class Trainer:
             raise ValidationError("checkpoint.eval_history", f"malformed: {exc}") from None
 
 
-def _check_same_unit(algorithm: nn.Module, source: Any) -> None:
+def _check_same_unit(algorithm: PrivateAlgorithm, source: Any) -> None:
     """The source's grouping owns the privacy unit: an algorithm declaring another one is refused."""
-    declared, grouped = getattr(algorithm, "privacy_unit", None), getattr(source, "unit", None)
+    declared, grouped = algorithm.privacy_unit, getattr(source, "unit", None)
     if declared is None or grouped is None:
         return
     declared, grouped = as_unit(declared), as_unit(grouped)

@@ -158,16 +158,22 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     result = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)
-        node = result
-        for depth, key in enumerate(keys[:-1]):
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            if not isinstance(child, dict):
-                raise ValidationError(".".join(keys[: depth + 1]), "is not a section; cannot set a sub-key")
-            node = child
-        node[keys[-1]] = value
+        set_dotted(result, keys, value)
     return result
+
+
+def set_dotted(data: dict[str, Any], keys: Sequence[str], value: Any) -> dict[str, Any]:
+    """Set ``data[k0][k1]...`` = ``value`` in place (missing sections are created); returns ``data``."""
+    node = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ValidationError(".".join(keys[: depth + 1]), "is not a section; cannot set a sub-key")
+        node = child
+    node[keys[-1]] = value
+    return data
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 
 from dporl.algos.lstd import lstd
 from dporl.eval.ope_problems import FiniteStateProblem, WEIGHTING_LABELS, padded_data
-from dporl.pipelines import Pipeline, register
+from dporl.pipelines import Pipeline
 from dporl.pipelines.ope.config import GPOPESettings, OPEConfig, OutputPerturbationSettings, build_problem
 from dporl.pipelines.ope.report import write_results
 from dporl.pipelines.ope.runners import (
@@ -64,12 +64,16 @@ def reference_methods(problem) -> list[tuple[str, str]]:
 def run(config: OPEConfig, mode: RunMode = "new", problem=None) -> dict[str, Any]:
     """Every (m, trial) of ``config``; ``problem`` replaces ``build_problem(config)`` (e.g. an audit's problem whose
     private draws are a neighbour's); tables and plots go to curator/, each GPOPE release to its own run directory."""
+    started = time.perf_counter()
+    with RunDirectory(config.run_dir, pipeline="ope", config=to_dict(config), mode=mode) as directory:
+        return _run(config, directory, started, problem)
+
+
+def _run(config: OPEConfig, directory: RunDirectory, started: float, problem=None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     torch.set_num_threads(1)
-    started = time.perf_counter()
     run_dir = Path(config.run_dir)
-    directory = RunDirectory(run_dir, pipeline="ope", config=to_dict(config), mode=mode)
     problem = build_problem(config) if problem is None else problem
     # One secret root per invocation (noise_seed, else 256 bits of the OS CSPRNG): every private draw is a named
     # stream of it (a child root per GPOPE release, one noise stream per output perturbation).
@@ -150,6 +154,6 @@ def evaluate(payload: dict[str, Any], episodes: int, seed: int, out_dir: Path) -
     return metrics
 
 
-register(Pipeline("ope", OPEConfig, run, evaluate))
+PIPELINE = Pipeline("ope", OPEConfig, run, evaluate)
 
 __all__ = ["GPOPESettings", "OPEConfig", "OutputPerturbationSettings", "build_problem", "evaluate", "run"]
