@@ -251,3 +251,23 @@ def test_a_minari_dataset_trains_through_the_config(tmp_path, monkeypatch):
     assert summary["evaluation"]["mode"] == "offline" and summary["privacy"]["composition"].startswith("parallel")
     imported = dporl.TrajectoryDataset.load(tmp_path / "run" / "curator" / "data" / "dataset.npz")
     assert imported.n_episodes == logged.n_episodes and imported.metadata.unit_column == "expert_id"
+
+
+def test_a_declared_reward_range_is_scaled_by_the_runs_discount(csv, tmp_path):
+    """The evaluation's value range derives from the declared reward range at the discount of the value the run
+    releases: the algorithm's (CQL's gamma) or eval.gamma (behaviour cloning has none); never a default."""
+    from dporl.eval.ope_scales import return_range
+    from dporl.pipelines.train.evaluation import evaluation_plan
+
+    dataset = CHAIN.simulate(60, 4, (0.2, 0.8), np.random.default_rng(0))
+    offline = {"reward_range": [-0.1, 1.0], "episodes_per_unit": 4}
+    cql = _config(tmp_path, csv, **{"eval.offline": offline})
+    assert evaluation_plan(cql, dataset, None).scales.value_range == pytest.approx(
+        return_range((-0.1, 1.0), CHAIN.gamma, None))  # [-2, 20] at gamma 0.95
+    bc = {"name": "bc", "hidden_sizes": [16]}
+    plan = evaluation_plan(_config(tmp_path, csv, **{"algorithm": bc, "eval.gamma": 0.9, "eval.offline": offline}),
+                           dataset, None)
+    assert plan.scales.value_range == pytest.approx((-1.0, 10.0))
+    with pytest.raises(ValidationError) as info:  # no discount to derive it with: refused by name
+        evaluation_plan(_config(tmp_path, csv, **{"algorithm": bc, "eval.offline": offline}), dataset, None)
+    assert info.value.field == "eval.gamma"
