@@ -19,8 +19,8 @@ The public surface, in the order a user meets it::
   (``DiscreteCQL``, ``DiscreteBC``: the network and its per-row losses); ``PrivateAlgorithm`` is the contract;
 - private training: ``Trainer``, ``TrainerConfig``, ``DPConfig``, ``OptimizerConfig``, ``PrivacyLedger``,
   ``SecretRoot``;
-- private evaluation on logged data: ``dp_importance_sampling``, ``dp_fqe``, ``dp_doubly_robust``, ``FQETraining``,
-  ``OPEResult``;
+- private evaluation on logged data: ``dp_importance_sampling``, ``dp_fqe``, ``dp_doubly_robust``, ``FQETraining``
+  and ``FQEConfig`` (DP-FQE's settings), ``OPEScales`` (public scales from declared facts), ``OPEResult``;
 - policy export and loading: ``GreedyPolicy`` (``policy.save(dir)``), ``save_policy``, ``load_policy``;
 - errors: ``ValidationError`` (bad input, naming the field), ``PrivacyBudgetError``.
 
@@ -70,11 +70,13 @@ _EXPORTS = {
     "DPConfig": "dporl.train.config",
     "OptimizerConfig": "dporl.train.config",
     # private evaluation on logged data
-    "dp_importance_sampling": "dporl.eval.private_ope",
-    "dp_fqe": "dporl.eval.private_ope",
-    "dp_doubly_robust": "dporl.eval.private_ope",
-    "FQETraining": "dporl.eval.private_ope",
-    "OPEResult": "dporl.eval.private_ope",
+    "dp_importance_sampling": "dporl.eval.ope_importance",
+    "dp_fqe": "dporl.eval.ope_fqe",
+    "dp_doubly_robust": "dporl.eval.ope_dr",
+    "FQETraining": "dporl.eval.ope_fqe",
+    "FQEConfig": "dporl.algos.fqe",
+    "OPEResult": "dporl.eval.ope_result",
+    "OPEScales": "dporl.eval.ope_scales",
     # policy export and loading
     "GreedyPolicy": "dporl.train.export",
     "save_policy": "dporl.train.export",
@@ -130,10 +132,15 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from dporl.algos.base import PrivateAlgorithm
     from dporl.algos.bc import BCConfig, DiscreteBC
     from dporl.algos.cql import CQLConfig, DiscreteCQL
+    from dporl.algos.fqe import FQEConfig
     from dporl.api import FitResult, PrivateLearner
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
     from dporl.data.table import import_summary, read_minari, read_table, to_frame
-    from dporl.eval.private_ope import FQETraining, OPEResult, dp_doubly_robust, dp_fqe, dp_importance_sampling
+    from dporl.eval.ope_dr import dp_doubly_robust
+    from dporl.eval.ope_fqe import FQETraining, dp_fqe
+    from dporl.eval.ope_importance import dp_importance_sampling
+    from dporl.eval.ope_result import OPEResult
+    from dporl.eval.ope_scales import OPEScales
     from dporl.pipelines.offline_eval import OfflineEvalConfig
     from dporl.privacy.ledger import PrivacyLedger
     from dporl.privacy.partition import UnitPartition

@@ -26,7 +26,8 @@ TREATING = {"behaviour_low": 0.75, "behaviour_high": 0.95}  # every clinician tr
 TINY = ["data.example.units=300", "data.example.episodes_per_unit=2", "batch_size=32", "algorithm.hidden_sizes=[16]",
         "trainer.max_steps=40", "trainer.eval_every=20", "trainer.log_every=10", "trainer.checkpoint_every=20",
         "trainer.progress=false", "eval.offline.folds=2", "eval.offline.fqe.steps=20",
-        "eval.offline.fqe.sample_rate=0.2", "eval.offline.fqe.rows_per_unit=4", "noise_seed=3"]
+        "eval.offline.fqe.sample_rate=0.2", "eval.offline.fqe.rows_per_unit=4", "noise_seed=3",
+        "eval.offline.tolerance=1e6"]  # 300 clinicians: the pre-spend noise check would refuse their evaluation
 
 
 def _table(tmp_path: Path, units: int = 1500, **example) -> dporl.TrajectoryDataset:
@@ -70,7 +71,9 @@ def test_private_bc_through_the_python_api_releases_a_loadable_policy_and_a_guar
     learner = dporl.DiscreteBCConfig(epsilon=2.0, steps=30, batch_size=32, eval_gamma=0.95, noise_seed=2,
                                      progress=False, hidden_sizes=[16],
                                      evaluation=dporl.OfflineEvalConfig(folds=2, unit_clip=5.0,
-                                                                        value_range=[-2.0, 1.0])).create(data)
+                                                                        value_range=[-2.0, 1.0],
+                                                                        tolerance=1e6)  # 600 units: any width
+                                     ).create(data)
     assert isinstance(learner.module, DiscreteBC) and learner.unit.column == "clinician"
     result = learner.fit(run_dir=tmp_path / "run")
     epsilon, delta = result.guarantee

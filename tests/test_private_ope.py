@@ -13,12 +13,12 @@ from dporl.algos.fqe import FQE_KEYS, DiscreteFQE, FQEConfig
 from dporl.eval.ope_coverage import TreatmentChain, clopper_pearson, constant_policy
 from dporl.eval.private_ope import (
     FQETraining,
-    _episode_terms,
-    _per_unit,
     action_probabilities,
     dp_doubly_robust,
     dp_fqe,
     dp_importance_sampling,
+    episode_terms,
+    per_unit,
     release_ratio,
     unit_pairs,
 )
@@ -32,6 +32,7 @@ from dporl.utils.validation import ValidationError
 torch.set_num_threads(1)
 CHAIN = TreatmentChain()
 TARGET = constant_policy(0.8)
+RANGE = (-CHAIN.treat_cost / (1 - CHAIN.gamma), 1.0)  # any episode's return: at most 0.1 a step, one final 1
 
 
 def _data(units=300, seed=0):
@@ -40,7 +41,7 @@ def _data(units=300, seed=0):
 
 def test_truth_is_the_monte_carlo_value():
     dataset = CHAIN.simulate(20000, 1, (0.8, 0.8), np.random.default_rng(5))  # on-policy: returns are unbiased
-    returns = _episode_terms(dataset, TARGET, CHAIN.gamma)["G"]
+    returns = episode_terms(dataset, TARGET, CHAIN.gamma)["G"]
     stderr = float(returns.std()) / math.sqrt(len(returns))
     assert abs(float(returns.mean()) - CHAIN.true_value(0.8)) < 4 * stderr  # 4 standard errors
 
@@ -105,26 +106,28 @@ class _SilentRoot:
 
 def test_without_noise_or_clipping_the_estimators_are_the_textbook_ones():
     dataset = _data(200)
-    terms = _episode_terms(dataset, TARGET, CHAIN.gamma)
+    terms = episode_terms(dataset, TARGET, CHAIN.gamma)
     wis = float((terms["w"] * terms["G"]).sum() / terms["w"].sum())
-    common = dict(epsilon=1.0, delta=1e-5, gamma=CHAIN.gamma, min_signal=0.0, root=_SilentRoot())
-    a, b = _per_unit(terms["w"] * terms["G"], dataset), _per_unit(terms["w"], dataset)
+    common = dict(epsilon=1.0, delta=1e-5, gamma=CHAIN.gamma, min_signal=0.0, root=_SilentRoot(), value_range=RANGE)
+    c, h = sum(RANGE) / 2, (RANGE[1] - RANGE[0]) / 2  # returns enter centred and scaled: (G - c) / h
+    a, b = per_unit(terms["w"] * (terms["G"] - c), dataset) / h, per_unit(terms["w"], dataset)
     clip = float(torch.stack([a, b], 1).norm(dim=1).max()) * (1 + 1e-9)  # no unit clipped
     result = dp_importance_sampling(dataset, TARGET, kind="wis", ledger=PrivacyLedger(), unit_clip=clip, **common)
     assert result.value == pytest.approx(wis, rel=1e-9)
-    a, b = _per_unit(terms["pdis"], dataset), _per_unit(torch.ones(dataset.n_episodes), dataset)
+    a, b = per_unit(terms["pdis"] - c, dataset) / h, per_unit(torch.ones(dataset.n_episodes), dataset)
     clip = float(torch.stack([a, b], 1).norm(dim=1).max()) * (1 + 1e-9)
     ledger = PrivacyLedger()
     pdis = dp_importance_sampling(dataset, TARGET, kind="pdis", ledger=ledger, unit_clip=clip, **common)
     assert pdis.value == pytest.approx(float(terms["pdis"].mean()), rel=1e-9)
     # The interval: delta method over units as sampled clusters, plus the noise's known variance s^2 (1 + r^2)
-    # (s in the clip's units; the noise itself is silenced here).
+    # (s in the clip's units; the noise itself is silenced here), in centred units times h.
     r = float(a.sum() / b.sum())
     s = ledger.stages["ope/pdis"].accountant.history[0][0].noise_multiplier * math.sqrt(2) * clip
-    std = math.sqrt(float(((a - r * b) ** 2).sum()) + s * s * (1 + r * r)) / float(b.sum())
-    assert (pdis.ci_high - pdis.ci_low) / 2 == pytest.approx(1.959964 * std, rel=1e-4)
+    std = h * math.sqrt(float(((a - r * b) ** 2).sum()) + s * s * (1 + r * r)) / float(b.sum())
+    assert (min(pdis.ci_high, RANGE[1]) - max(pdis.ci_low, RANGE[0])) == pytest.approx(
+        min(pdis.value + 1.959964 * std, RANGE[1]) - max(pdis.value - 1.959964 * std, RANGE[0]), rel=1e-4)
     # DR with a zero model is per-decision IS, episode by episode.
-    zero = _episode_terms(dataset, TARGET, CHAIN.gamma, q_model=lambda obs: torch.zeros(len(obs), 2))
+    zero = episode_terms(dataset, TARGET, CHAIN.gamma, q_model=lambda obs: torch.zeros(len(obs), 2))
     torch.testing.assert_close(zero["dr"], zero["pdis"])
 
 
@@ -141,7 +144,7 @@ def test_dr_with_the_true_q_has_far_less_variance_than_pdis():
         Q[-1] = 0
         V = Q @ np.array([0.2, 0.8])
     q = torch.from_numpy(Q)
-    terms = _episode_terms(dataset, TARGET, CHAIN.gamma, q_model=lambda obs: obs.double() @ q)
+    terms = episode_terms(dataset, TARGET, CHAIN.gamma, q_model=lambda obs: obs.double() @ q)
     # DR removes the variance of the action choices, not that of the transitions (Jiang & Li 2016, Theorem 2):
     # here about two thirds of per-decision IS's variance.
     assert float(terms["dr"].var()) < 0.5 * float(terms["pdis"].var())
@@ -150,17 +153,19 @@ def test_dr_with_the_true_q_has_far_less_variance_than_pdis():
 
 def test_refusals():
     dataset = _data(50)
+    common = dict(epsilon=1, delta=1e-5, unit_clip=4, value_range=RANGE)
     with pytest.raises(ValidationError, match="q_model"):
-        dp_importance_sampling(dataset, TARGET, kind="dr", epsilon=1, delta=1e-5, ledger=PrivacyLedger(),
-                               root=SecretRoot(0), unit_clip=4)
+        dp_importance_sampling(dataset, TARGET, kind="dr", ledger=PrivacyLedger(), root=SecretRoot(0), **common)
     no_props = dataset.with_identities_removed(dataset.metadata)
     with pytest.raises(ValidationError, match="propensities"):
-        dp_importance_sampling(no_props, TARGET, epsilon=1, delta=1e-5, ledger=PrivacyLedger(), root=SecretRoot(0),
-                               unit_clip=4)
+        dp_importance_sampling(no_props, TARGET, ledger=PrivacyLedger(), root=SecretRoot(0), **common)
     ledger = PrivacyLedger()
-    dp_importance_sampling(dataset, TARGET, epsilon=1, delta=1e-5, ledger=ledger, root=SecretRoot(0), unit_clip=4)
+    dp_importance_sampling(dataset, TARGET, ledger=ledger, root=SecretRoot(0), **common)
     with pytest.raises(ValidationError, match="already exists"):
-        dp_importance_sampling(dataset, TARGET, epsilon=1, delta=1e-5, ledger=ledger, root=SecretRoot(1), unit_clip=4)
+        dp_importance_sampling(dataset, TARGET, ledger=ledger, root=SecretRoot(1), **common)
+    with pytest.raises(ValidationError, match="reward_range"):  # no scale without a declared range
+        dp_importance_sampling(dataset, TARGET, ledger=PrivacyLedger(), root=SecretRoot(0), epsilon=1, delta=1e-5,
+                               unit_clip=4)
 
 
 def test_wis_interval_covers_the_truth_in_repeated_simulation():
@@ -171,7 +176,8 @@ def test_wis_interval_covers_the_truth_in_repeated_simulation():
     for i in range(40):
         dataset = CHAIN.simulate(400, 4, (0.2, 0.8), rng)
         result = dp_importance_sampling(dataset, TARGET, epsilon=1.0, delta=1e-5, ledger=PrivacyLedger(),
-                                        root=SecretRoot(1000 + i), unit_clip=12.0, gamma=CHAIN.gamma)
+                                        root=SecretRoot(1000 + i), unit_clip=12.0, gamma=CHAIN.gamma,
+                                        value_range=RANGE)
         covered += result.ci_low <= truth <= result.ci_high
     assert covered >= 32
     assert clopper_pearson(covered, 40)[0] > 0.6
@@ -184,7 +190,8 @@ TRAINING = FQETraining(steps=30, sample_rate=0.2, lr=0.5,
 def test_dp_fqe_folds_compose_in_parallel(tmp_path):
     ledger = PrivacyLedger()
     result = dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(4),
-                    run_dir=tmp_path, unit_clip=12.0, folds=3, training=TRAINING)
+                    run_dir=tmp_path, unit_clip=12.0, folds=3, training=TRAINING, value_range=RANGE,
+                    tolerance=1e6)  # tiny folds: the noise check would refuse
     report = ledger.report()
     # DP-SGD divides by sample_rate x a released count of each fold's units: one count per fold (1% of epsilon, one
     # stage over the three cells), then each fold's training and value.
@@ -212,7 +219,8 @@ def test_dp_fqe_reproduces_under_a_fixed_root_whatever_ran_before(tmp_path):
         torch.manual_seed(global_seed)  # whatever the global generator holds
         training = TRAINING if i < 2 else FQETraining(**{**TRAINING.__dict__, "seed": 1})
         result = dp_fqe(_data(200), TARGET, epsilon=1.0, delta=1e-5, ledger=PrivacyLedger(), root=SecretRoot(9),
-                        run_dir=tmp_path / str(i), unit_clip=12.0, folds=2, training=training)
+                        run_dir=tmp_path / str(i), unit_clip=12.0, folds=2, training=training,
+                        value_range=RANGE, tolerance=1e6)  # tiny folds: the noise check would refuse
         values.append(result.fold_values)
     assert values[0] == values[1]  # exact: same root, same public seed
     assert values[2] != values[0]  # the seed is used: another initialisation gives another (noisy) fixed point
@@ -222,7 +230,8 @@ def test_dp_doubly_robust_spends_each_budget_on_its_own_cell(tmp_path):
     ledger = PrivacyLedger()
     public = FQETraining(**{**TRAINING.__dict__, "expected_units": 20.0})  # a public normaliser: count stays private
     result, model = dp_doubly_robust(_data(400), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(5),
-                                     run_dir=tmp_path, unit_clip=12.0, gamma=CHAIN.gamma, training=public)
+                                     run_dir=tmp_path, unit_clip=12.0, gamma=CHAIN.gamma, training=public,
+                                     value_range=RANGE)
     report = ledger.report()
     assert {c.name: c.stages for c in report.cells} == {"estimate": ["dr/estimate"], "model": ["dr/model"]}
     assert report.guarantee[0] <= 1.0 + 1e-9 and result.estimator == "dr"
@@ -251,10 +260,11 @@ def test_dp_fqe_can_use_cells_of_a_partition_that_also_holds_a_training_cell(tmp
     ledger = PrivacyLedger()
     ledger.partition(UnitPartition("s", {"train": 0.4, "eval0": 0.2, "eval1": 0.2, "eval2": 0.2}))
     result = dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(6), run_dir=tmp_path,
-                    unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "eval1", "eval2"])
+                    unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "eval1", "eval2"], value_range=RANGE,
+                    tolerance=1e6)  # tiny folds: the noise check would refuse
     cells = {c.name: c for c in ledger.report().cells}
     assert cells["train"].stages == [] and len(result.fold_values) == 3  # the folds' count touches their cells only
     assert cells["eval1"].stages == ["fqe/count", "eval1/train", "eval1/value"]
     with pytest.raises(ValidationError, match="unknown cell"):
         dp_fqe(_data(300), TARGET, epsilon=1.0, delta=1e-5, ledger=ledger, root=SecretRoot(7), run_dir=tmp_path,
-               unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "test"])
+               unit_clip=12.0, training=TRAINING, fold_cells=["eval0", "test"], value_range=RANGE)

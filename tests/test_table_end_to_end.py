@@ -60,7 +60,8 @@ def test_csv_to_private_policy_and_its_private_value_in_one_ledger(tmp_path):
         return torch.stack([1 - p, p], 1)
 
     result = dp_importance_sampling(cells["evaluate"], policy, epsilon=1.0, delta=1e-5, ledger=ledger,
-                                    root=SecretRoot(4), unit_clip=12.0, gamma=chain.gamma, cells=["evaluate"])
+                                    root=SecretRoot(4), unit_clip=12.0, gamma=chain.gamma, cells=["evaluate"],
+                                    value_range=(-2.0, 1.0))
     truth = chain.true_value(treat)
     assert result.ci_low <= truth <= result.ci_high, (result.describe(), truth)
 

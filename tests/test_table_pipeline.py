@@ -47,8 +47,9 @@ def true_value(policy) -> float:
 
 def small(**changes):
     """A quick CQL (the README's, smaller: CI has two cores)."""
+    evaluation = dporl.OfflineEvalConfig(value_range=(-2.0, 1.0), episodes_per_unit=4)  # declared, public
     return dporl.DiscreteCQLConfig(**{"epsilon": 1.0, "gamma": CHAIN.gamma, "steps": 150, "hidden_sizes": [32],
-                                      "batch_size": 64, "progress": False, **changes})
+                                      "batch_size": 64, "progress": False, "evaluation": evaluation, **changes})
 
 
 def test_csv_to_private_policy_through_the_python_api(csv, tmp_path, capsys):
@@ -133,6 +134,7 @@ def _config(tmp_path, csv, **changes) -> TrainPipelineConfig:
         "data": {"format": "table", "path": str(csv), "columns": dict(COLUMNS, propensity="propensity")},
         "algorithm": {"name": "cql", "hidden_sizes": [16], "gamma": CHAIN.gamma},
         "trainer": {"max_steps": 40, "eval_every": 40, "checkpoint_every": 40, "progress": False},
+        "eval": {"offline": {"value_range": [-2.0, 1.0], "episodes_per_unit": 4, "unit_clip": 12.0}},
     }
     for key, value in changes.items():
         node = data
@@ -242,10 +244,30 @@ def test_a_minari_dataset_trains_through_the_config(tmp_path, monkeypatch):
         "data": {"format": "minari", "path": "dporl/chain-v0", "unit": "expert_id"},
         "algorithm": {"name": "cql", "hidden_sizes": [8], "gamma": CHAIN.gamma},
         "trainer": {"max_steps": 20, "eval_every": 20, "checkpoint_every": 20, "progress": False},
-        "eval": {"offline": {"estimator": "wis"}},
+        "eval": {"offline": {"estimator": "wis", "value_range": [-2.0, 1.0], "unit_clip": 12.0}},
     })
     summary = run(config)
     assert summary["privacy"]["guarantee"]["unit_column"] == "expert_id"
     assert summary["evaluation"]["mode"] == "offline" and summary["privacy"]["composition"].startswith("parallel")
     imported = dporl.TrajectoryDataset.load(tmp_path / "run" / "curator" / "data" / "dataset.npz")
     assert imported.n_episodes == logged.n_episodes and imported.metadata.unit_column == "expert_id"
+
+
+def test_a_declared_reward_range_is_scaled_by_the_runs_discount(csv, tmp_path):
+    """The evaluation's value range derives from the declared reward range at the discount of the value the run
+    releases: the algorithm's (CQL's gamma) or eval.gamma (behaviour cloning has none); never a default."""
+    from dporl.eval.ope_scales import return_range
+    from dporl.pipelines.train.evaluation import evaluation_plan
+
+    dataset = CHAIN.simulate(60, 4, (0.2, 0.8), np.random.default_rng(0))
+    offline = {"reward_range": [-0.1, 1.0], "episodes_per_unit": 4}
+    cql = _config(tmp_path, csv, **{"eval.offline": offline})
+    assert evaluation_plan(cql, dataset, None).scales.value_range == pytest.approx(
+        return_range((-0.1, 1.0), CHAIN.gamma, None))  # [-2, 20] at gamma 0.95
+    bc = {"name": "bc", "hidden_sizes": [16]}
+    plan = evaluation_plan(_config(tmp_path, csv, **{"algorithm": bc, "eval.gamma": 0.9, "eval.offline": offline}),
+                           dataset, None)
+    assert plan.scales.value_range == pytest.approx((-1.0, 10.0))
+    with pytest.raises(ValidationError) as info:  # no discount to derive it with: refused by name
+        evaluation_plan(_config(tmp_path, csv, **{"algorithm": bc, "eval.offline": offline}), dataset, None)
+    assert info.value.field == "eval.gamma"

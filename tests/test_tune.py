@@ -26,7 +26,8 @@ from dporl.utils.validation import PrivacyBudgetError, ValidationError
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.example.units=1500", "count_fraction=0.1", "trainer.max_steps=30", "trainer.eval_every=30",
         "trainer.checkpoint_every=30", "trainer.log_every=30", "eval.offline.fqe.steps=40", "algorithm.hidden_sizes=[16]",
-        "dp.accountant=rdp"]
+        "dp.accountant=rdp",
+        "eval.offline.tolerance=1e6"]  # 1500 clinicians: the pre-spend noise check would refuse every trial's evaluation
 
 
 def tiny_base() -> dict:
@@ -117,11 +118,11 @@ def test_resume_reuses_finished_trials_and_charges_once(search, tmp_path, monkey
     """A search interrupted inside its second trial (after its training, during its evaluation), resumed: the first
     trial is not run again, the second starts again from scratch with its seed, the search event is charged once,
     and the result equals the uninterrupted search's (the same noise seed)."""
-    import dporl.eval.private_ope as private_ope
+    import dporl.eval.ope_fqe as ope_fqe
     import dporl.tuning.trials as trials_module
 
     _, reference, _, curator = search
-    real_release, releases = private_ope.release_ratio, []
+    real_release, releases = ope_fqe.release_sums, []
 
     def interrupting(*args, **kwargs):  # a trial releases one value per DP-FQE fold (three)
         releases.append(1)
@@ -129,7 +130,7 @@ def test_resume_reuses_finished_trials_and_charges_once(search, tmp_path, monkey
             raise KeyboardInterrupt
         return real_release(*args, **kwargs)
 
-    monkeypatch.setattr(private_ope, "release_ratio", interrupting)
+    monkeypatch.setattr(ope_fqe, "release_sums", interrupting)
     run_dir = tmp_path / "search"
     with pytest.raises(KeyboardInterrupt):
         _tune(tiny_base(), tiny_space(run_dir))
@@ -138,7 +139,7 @@ def test_resume_reuses_finished_trials_and_charges_once(search, tmp_path, monkey
     assert (run_dir / "curator" / "trials" / "trial_0001" / "curator" / "journal.json").is_file()  # a partial trial
     partial = read_journal(run_dir / "curator" / "trials" / "trial_0001" / "curator" / "journal.json")
     assert "evaluate0/train" in partial.stages  # resuming that run in place would be refused (a paid evaluation)
-    monkeypatch.setattr(private_ope, "release_ratio", real_release)
+    monkeypatch.setattr(ope_fqe, "release_sums", real_release)
     real, calls = trials_module.run_trial, []
     monkeypatch.setattr(trials_module, "run_trial", lambda spec: calls.append(spec["index"]) or real(spec))
     with pytest.raises(ValidationError, match="already holds files"):

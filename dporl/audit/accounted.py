@@ -23,6 +23,9 @@ here. A differing field no entry lists is unaccounted: the printed guarantee doe
   Fields computed from the number of units (sampling rates B / m, the noise calibrated for them, step counts,
   every epsilon digit, fold normalisers, and the weights and values those mechanisms release) are accounted only
   under this condition: computed from the exact private count they are not.
+  ``"failed"``: either release reports a failed private estimate (a field ``...status`` equal to ``no_estimate``
+  or ``diverged``: a released denominator <= 0, or a released divergence signal of DP-FQE); the estimate's flags
+  (``calibrated``, ``status``) and the words of its printed lines are then functions of that release.
 - ``stage``: for fields of a privacy report's ``stages[i]``, only the stage of that name.
 
 Patterns: ``*`` matches any characters (``/``, ``.``, ``[`` included); nothing else is special.
@@ -42,7 +45,9 @@ from typing import Any, Iterable, Optional, Sequence
 from dporl.audit.release_snapshot import Difference, Snapshot
 
 COUNT = "count"
+FAILED = "failed"
 COUNT_STAGE = "unit_count"
+FAILED_STATUSES = ("no_estimate", "diverged")
 
 
 @dataclass(frozen=True)
@@ -96,14 +101,21 @@ def _offline(keys: tuple[str, ...], needs: tuple[str, ...]) -> list[Accounted]:
         out += [A(keys, files, f"{prefix}{name}", _VALUE, why, needs) for name in ("value", "ci_low", "ci_high")]
         out.append(A(keys, files, f"{prefix}fold_values*", _VALUE, "each fold's estimate: " + why, needs))
         out += [A(keys, files, f"{prefix}notes{{{start}*", _VALUE, "a note on the noisy release (a noisy denominator "
-                  "too small or <= 0): a function of the release", needs)
-                for start in ("noisy denominator", "noisy within-sample variance", "a fold's noisy denominator")]
+                  "too small or <= 0, a failed estimate): a function of the release", needs)
+                for start in ("noisy denominator", "noisy within-sample variance", "a fold's noisy denominator",
+                              "no estimate")]
+        out += [A(keys, files, f"{prefix}{name}", _VALUE, "a failed estimate is never calibrated: a function of the "
+                  "released denominator or divergence signal", (*needs, FAILED)) for name in ("calibrated", "status")]
     out += [
         A(keys, "*release/summary.json", "headline.policy value*", _VALUE, "the headline: " + why, needs,
           numbers_only=True),
         A(keys, EVENTS, "scalar offline/*", _VALUE, "the same, in TensorBoard", needs),
         A(keys, "stdout", "*", _VALUE, "the value and interval, printed", needs,
           value=r"^(offline evaluation: \w+: value |policy value \(DP-\w+, )", numbers_only=True),
+        A(keys, "*release/summary.json", "headline.policy value*", _VALUE, "the headline of a failed estimate",
+          (*needs, FAILED), value=r"\[.*\]"),
+        A(keys, "stdout", "*", _VALUE, "the printed value of a failed estimate", (*needs, FAILED),
+          value=r"^(offline evaluation: \w+: value .*|policy value \(DP-\w+, .*)$"),
     ]
     return out
 
@@ -212,9 +224,16 @@ def is_count_stage(name: Any) -> bool:
     return isinstance(name, str) and COUNT_STAGE in name.split("/")
 
 
+def failed_estimate(snap: Snapshot) -> bool:
+    """Whether a release reports a failed private estimate (module docstring, condition ``"failed"``)."""
+    return any(str(key).split(".")[-1] == "status" and value in FAILED_STATUSES
+               for fields in snap.values() for key, value in fields.items())
+
+
 def conditions(snap_d: Snapshot, snap_dp: Snapshot) -> dict[str, bool]:
-    """The ``needs`` conditions, each true only if both releases meet it."""
-    return {COUNT: count_accounted(snap_d) and count_accounted(snap_dp)}
+    """The ``needs`` conditions: ``count`` true only if both releases meet it, ``failed`` if either does."""
+    return {COUNT: count_accounted(snap_d) and count_accounted(snap_dp),
+            FAILED: failed_estimate(snap_d) or failed_estimate(snap_dp)}
 
 
 def _stage_name(snap: Snapshot, location: str, field: str) -> Optional[str]:

@@ -27,7 +27,7 @@ def private_ope_audit(
     epsilon: float = 1.0, delta: float = 1e-5, n_units: int = 30, unit_clip: float = 12.0, noise_factor: float = 1.0
 ) -> Experiment:
     from dporl.eval.ope_coverage import TreatmentChain, constant_policy
-    from dporl.eval.private_ope import _episode_terms, gaussian_noise_multiplier, moment_rows, unit_pairs
+    from dporl.eval.private_ope import episode_terms, gaussian_noise_multiplier, moment_rows, unit_pairs
 
     chain = TreatmentChain()
     policy = constant_policy(0.8)
@@ -42,7 +42,7 @@ def private_ope_audit(
     without = with_canary.subset(np.flatnonzero(with_canary.unit_ids != canary))
 
     def released_sum(data) -> torch.Tensor:
-        terms = _episode_terms(data, policy, chain.gamma)
+        terms = episode_terms(data, policy, chain.gamma)
         units = torch.from_numpy(data.unit_ids.copy())
         a = torch.zeros(n_units + 1, dtype=torch.float64).index_add_(0, units, terms["w"] * terms["G"])
         b = torch.zeros(n_units + 1, dtype=torch.float64).index_add_(0, units, terms["w"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -196,8 +195,7 @@ def run(args: argparse.Namespace) -> dict:
         truth, policy = chain.true_value(args.target), constant_policy(args.target)
     training = FQETraining(steps=args.fqe_steps, sample_rate=args.sample_rate, rows_per_unit=8,
                            max_grad_norm=1.0, optimizer=args.optimizer, lr=args.lr, train_fraction=args.train_fraction,
-                           fqe=FQEConfig(hidden_sizes=[], gamma=chain.gamma, td_loss="mse", target_update_every=25,
-                                         average_last=args.average_last))
+                           fqe=FQEConfig(gamma=chain.gamma, average_last=args.average_last))
     value_range = (-chain.treat_cost / (1 - chain.gamma), 1.0)  # public bounds on any policy's value here
     results: dict[str, dict] = {}
     rows: dict[str, list] = {name: [] for name in args.estimators}
@@ -286,8 +284,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--fqe-steps", type=int, default=300)
     parser.add_argument("--sample-rate", type=float, default=0.05)
     parser.add_argument("--optimizer", default="sgd")
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--average-last", type=float, default=0.0, help="FQE: average the last fraction of iterates")
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--average-last", type=float, default=0.5, help="FQE: average the last fraction of iterates")
     parser.add_argument("--train-fraction", type=float, default=0.8, help="FQE: share of a fold's epsilon for training")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/ope_coverage")

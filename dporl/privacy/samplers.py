@@ -184,13 +184,15 @@ class _UnitIndex:
             self._search_steps = math.ceil(math.log2(most_runs))
             self._run_base = start - (self._run_end - length)  # row = base + unit-major position
 
-    def rows_of(self, units: torch.Tensor, rows_per_unit: Optional[int], generator: torch.Generator):
+    def rows_of(self, units: torch.Tensor, rows_per_unit: Optional[int], generator: torch.Generator,
+                replace: bool = True):
         """(row indices, position of their unit in ``units``) for the given units (LongTensors).
 
         ``rows_per_unit`` None: every row of each unit, in increasing row order. Otherwise each unit owning rows
         contributes ``rows_per_unit`` rows, each uniform over its rows with replacement: position
         ``floor(U * count)`` for a float64 uniform U on the 2**-53 grid, so each row's probability is within
-        2**-53 of ``1 / count``.
+        2**-53 of ``1 / count``. ``replace=False``: min(rows_per_unit, count) DISTINCT rows, a uniform subset
+        (Floyd's algorithm, vectorised over units), so a unit never contributes a row twice.
         """
         units = units.numpy()
         counts = self._counts[units]
@@ -199,6 +201,8 @@ class _UnitIndex:
             runs = concat_ranges(first, self._run_offsets[units + 1] - first)
             rows = concat_ranges(self._run_start[runs], self._run_len[runs])
             return torch.from_numpy(rows), torch.from_numpy(np.repeat(np.arange(len(units)), counts))
+        if not replace:
+            return self._distinct_rows(units, counts, rows_per_unit, generator)
         position = np.flatnonzero(counts)
         if rows_per_unit > 1:
             position = np.repeat(position, rows_per_unit)
@@ -207,6 +211,24 @@ class _UnitIndex:
         draws *= owned
         within = np.minimum(draws.astype(np.int64), owned - 1)  # floor (draws >= 0); U * count may round up
         return torch.from_numpy(self._rows_at(units[position], within)), torch.from_numpy(position)
+
+    def _distinct_rows(self, units: np.ndarray, counts: np.ndarray, k: int, generator: torch.Generator):
+        """min(k, count) distinct rows of each unit, uniform over its subsets of that size (Floyd 1987: for j = count
+        - k .. count - 1 draw t uniform on [0, j]; take t unless already taken, else j)."""
+        take = np.minimum(counts, k)
+        within = np.broadcast_to(np.arange(k), (len(units), k)).copy()  # units owning <= k rows: all of them
+        big = np.flatnonzero(counts > k)
+        if len(big):
+            c = counts[big]
+            draws = torch.rand((len(big), k), dtype=torch.float64, generator=generator).numpy()
+            for step in range(k):
+                j = c - k + step
+                t = np.minimum((draws[:, step] * (j + 1)).astype(np.int64), j)
+                taken = (within[big, :step] == t[:, None]).any(axis=1) if step else np.zeros(len(big), bool)
+                within[big, step] = np.where(taken, j, t)
+        keep = np.arange(k)[None, :] < take[:, None]
+        position = np.broadcast_to(np.arange(len(units))[:, None], (len(units), k))[keep]
+        return (torch.from_numpy(self._rows_at(units[position], within[keep])), torch.from_numpy(position))
 
     def rows_at(self, units: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
         """Row index of the ``within[i]``-th row (in increasing row order) of unit ``units[i]``; needs
@@ -286,8 +308,9 @@ class PoissonUnitSource:
 
     Each of the ``n_units`` units is included independently with ``sample_rate`` (``poisson_subset``: geometric
     gaps, O(rate * n_units) per step). A sampled unit contributes ``rows_per_unit`` rows drawn uniformly with
-    replacement from its own rows (None: all its rows), so its gradient is an average over its rows and never
-    mixes units. Units owning no rows still count in the population. DP-SGD divides the noisy sum by
+    replacement from its own rows (``replace=False``: min(rows_per_unit, its rows) distinct rows; None: all its
+    rows), so its gradient is an average over its rows and never mixes units: its clipped contribution is bounded
+    by the clip whatever the number of rows. Units owning no rows still count in the population. DP-SGD divides the noisy sum by
     ``expected_batch_size``: ``expected_batch`` when given (a public constant, e.g. the configured B when the rate
     is B over a released estimate of the number of units), else ``sample_rate * n_units``, which is public only
     where the number of units is (replace-one neighbours).
@@ -308,6 +331,7 @@ class PoissonUnitSource:
         *,
         unit: PrivacyUnit | str | None = None,
         expected_batch: Optional[float] = None,
+        replace: bool = True,
     ):
         n_rows = _check_rows(data)
         self.sample_rate = check_probability("sample_rate", sample_rate, allow_zero=False)
@@ -320,7 +344,9 @@ class PoissonUnitSource:
         self.rows_per_unit = rows_per_unit
         self.index = _UnitIndex(unit_of_row, n_units, n_rows)
         self.unit = None if unit is None else as_unit(unit)
-        self.layout = RowLayout(rows_per_unit)
+        self.replace = bool(replace)
+        # Without replacement a unit owning fewer rows contributes fewer: blocks of unequal size.
+        self.layout = RowLayout(rows_per_unit if self.replace else None)
 
     @classmethod
     def from_dataset(
@@ -330,6 +356,7 @@ class PoissonUnitSource:
         sample_rate: float,
         rows_per_unit: Optional[int] = None,
         expected_batch: Optional[float] = None,
+        replace: bool = True,
     ) -> "PoissonUnitSource":
         """Rows grouped by the dataset's own unit: ``data`` holds one row per transition or one per episode
         (e.g. padded trajectories); every unit of the dataset counts in the population, rows or not."""
@@ -345,7 +372,7 @@ class PoissonUnitSource:
                 f"({dataset.n_episodes})"
             )
         return cls(data, unit_of_row, dataset.n_units, sample_rate, rows_per_unit, unit=dataset_unit(dataset),
-                   expected_batch=expected_batch)
+                   expected_batch=expected_batch, replace=replace)
 
     def to(self, device: torch.device | str) -> "PoissonUnitSource":
         """Keep the rows on ``device`` (sampling decisions stay on the CPU, drawn from the secret generator)."""
@@ -366,7 +393,7 @@ class PoissonUnitSource:
 
     def sample(self, generator: torch.Generator) -> Batch:
         chosen = self.sample_units(generator)
-        rows, position = self.index.rows_of(chosen, self.rows_per_unit, generator)
+        rows, position = self.index.rows_of(chosen, self.rows_per_unit, generator, self.replace)
         return Batch(_gather(self.data, rows), position, int(len(chosen)), private=True, layout=self.layout)
 
     def step_event(self, noise_multiplier: float) -> PoissonGaussianEvent:

@@ -58,7 +58,12 @@ def evaluation_plan(config: TrainPipelineConfig, dataset: TrajectoryDataset, env
         return None
     if env_id is not None or not config.method_spec.evaluates_offline:
         return None
-    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE))
+    gamma = config.discount()
+    if gamma is None and config.eval.offline.estimator != "none":  # the value range derives from it
+        raise ValidationError("eval.gamma", f"algorithm {config.algorithm.name!r} has no discount: give eval.gamma, the "
+                              "discount of the policy value the offline evaluation releases")
+    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE),
+                           gamma)
 
 
 def resolved_budgets(config: TrainPipelineConfig, plan: Optional[EvaluationPlan]) -> dict[str, tuple[float, float]]:
@@ -100,6 +105,8 @@ def announce_evaluation(config: TrainPipelineConfig, env_id: Optional[str], plan
              "on the training units, composed sequentially with training")
     print(f"{why}; evaluating the learned policy privately on logged data: DP-{plan.estimator.upper()} {where}, at "
           f"(eps={plan.budget[0]:g}, delta={plan.budget[1]:g})")
+    for line in plan.describe_scales():  # the declared scales and the clip's bias-variance choice (config only)
+        print(line)
 
 
 OFFLINE_EVALUATION = "offline_evaluation"

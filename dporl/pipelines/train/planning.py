@@ -13,7 +13,7 @@ from dporl.algos.stable_prefix import RELEASE_STAGE, ReleasePlan, account, check
 from dporl.data.dataset import TrajectoryDataset
 from dporl.experts.expert_set import ExpertSet
 from dporl.methods.unit_level import TRAIN_STAGE
-from dporl.pipelines.offline_eval import EvaluationPlan, check_cells
+from dporl.pipelines.offline_eval import EvaluationPlan, check_cells, check_noise
 from dporl.pipelines.train.config import Budget, TrainPipelineConfig
 from dporl.pipelines.unit_count import check_delta_below_one_over_n, public_units
 from dporl.privacy.count import COUNT_STAGE, CountPlan, ReleasedCount, Units
@@ -87,9 +87,6 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
         eps1, delta1 = budgets[RELEASE_STAGE]
         release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release,
                                defer_precondition=True, relation=config.neighbours)
-    if plan is not None and plan.estimator != "none" and config.discount() is None:
-        raise ValidationError("eval.gamma", f"algorithm {config.algorithm.name!r} has no discount: give eval.gamma, the "
-                              "discount of the policy value the offline evaluation releases")
     parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     held_out = plan is not None and plan.train_cells is not None
     checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
@@ -113,7 +110,10 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
 def after_count(config: TrainPipelineConfig, budgets: Budgets, checked: Checked, units: Units,
                 plan: Optional[EvaluationPlan]) -> Optional[float]:
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
-    delta < 1/n, the release's precondition, the batch size, and the training noise (None without training)."""
+    the evaluation's predicted noise, delta < 1/n, the release's precondition, the batch size, and the training noise
+    (None without training)."""
+    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
+        check_noise(plan, config.eval.offline, units, checked.train_data, config.discount(), config.neighbours)
     check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
