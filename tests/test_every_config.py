@@ -255,6 +255,10 @@ def test_every_config_runs_at_tiny_scale(path, tmp_path, monkeypatch, capsys, re
         private = [row for row in rows if row["epsilon"]]  # None: non-private; 0: data-free
         assert private and all(0 < row["epsilon"] <= budget + 1e-9 for row in private), rows
         assert all(math.isfinite(row["mspbe_mean"]) for row in rows), rows
-        assert (run / "curator" / "results.csv").stat().st_size > 0 and (run / "curator" / "results.md").exists()
+        assert (run / "curator" / "results.md").exists()
+        with open(run / "curator" / "results.csv", newline="") as handle:  # one row per table row, columns intact
+            table = list(csv.DictReader(handle))
+        assert [r["method"] for r in table] == [row["method"] for row in rows]
+        assert all(None not in r and r["m"] == str(row["m"]) for r, row in zip(table, rows)), table
     else:
         raise AssertionError(f"configs/{path.name}: no check for pipeline {kind!r}")

@@ -7,6 +7,8 @@ other one where it is defined (a replace-one guarantee says nothing about add/re
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -83,8 +85,11 @@ def write_results(
     other = "add_remove" if relation == "replace_one" else "replace_one"
     columns = ["method", "m", "trials"] + [f"{k}_{s}" for k in keys for s in ("mean", "lo", "high")] + [
         "epsilon", f"epsilon_{other}"]
-    csv = [",".join(columns)] + [",".join(str(entry.get(c, "")) for c in columns) for entry in table]
-    atomic_write_text(run_dir / "results.csv", "\n".join(csv) + "\n")
+    buffer = io.StringIO()  # quoted where a field needs it: method labels hold commas
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({c: entry.get(c, "") for c in columns} for entry in table)
+    atomic_write_text(run_dir / "results.csv", buffer.getvalue())
 
     headline = keys[0]
     lines = [
