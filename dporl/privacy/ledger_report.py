@@ -116,8 +116,8 @@ class PrivacyReport:
         if self.unit.bounded_change:  # every record may move: no unit is added, removed or replaced
             return f"neighbouring datasets: {self.unit.meaning}"
         if self.relation == Relation.REPLACE_ONE:
-            return (f"neighbouring datasets: replace one unit's data; the number of units is public, one unit = "
-                    f"{self.unit.meaning}")
+            return (f"neighbouring datasets: replace one unit's data; the number of units is public and the replaced "
+                    f"unit keeps its id (so its cell of any partition), one unit = {self.unit.meaning}")
         return f"neighbouring datasets: {self.relation or Relation.ADD_REMOVE}, one unit = {self.unit.meaning}"
 
     def describe(self) -> str:
