@@ -210,6 +210,10 @@ def test_the_stable_prefix_precondition_is_checked_on_the_released_lower_bound(l
         check_precondition(plan, Units({"all": 2000.0}, floor - 1, released=True, epsilon=0.1, failure=5e-8))
     assert info.value.field == "p_min" and "lower confidence bound of the released count" in str(info.value)
     assert "m~ = 2000" in str(info.value)
+    assert "a larger count_fraction" in str(info.value) and "here 0.1" in str(info.value)  # the way out it names
+    with pytest.raises(PrivacyBudgetError) as public:  # a public count has no bound to tighten
+        check_precondition(plan, Units({"all": float(floor - 2)}, floor - 2, released=False))
+    assert "count_fraction" not in str(public.value)
 
 
 # ---------------------------------------------------------------------------------------------------- once per run
