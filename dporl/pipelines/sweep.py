@@ -38,7 +38,7 @@ from dporl.pipelines.train import PIPELINE_NAME as TRAIN, TrainPipelineConfig, g
 from dporl.pipelines.train import run as run_train
 from dporl.train.run_dir import RunMode
 from dporl.utils.config import apply_overrides, from_dict, load_yaml
-from dporl.utils.io import atomic_write_text
+from dporl.utils.io import atomic_write_csv, atomic_write_text
 from dporl.utils.validation import ValidationError
 
 NAME = "sweep"
@@ -253,11 +253,7 @@ def summarise(rows: list[dict[str, Any]], config: SweepConfig) -> list[dict[str,
 
 
 def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: SweepConfig) -> None:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(_CSV_FIELDS))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(out_dir / "runs.csv", buffer.getvalue())
+    atomic_write_csv(out_dir / "runs.csv", _CSV_FIELDS, rows)
     lines = [
         f"| method | eps (budget) | {_METRIC_LABELS[config.metric]} (mean over seeds) | 95% CI | guaranteed eps (max "
         "over seeds) | seeds | note |",

@@ -12,14 +12,12 @@ trials' scores are released by no mechanism.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from dporl.utils.io import atomic_write, atomic_write_json, atomic_write_text, read_json
+from dporl.utils.io import atomic_write, atomic_write_csv, atomic_write_json, read_json
 
 SKIPPED = ("tensorboard",)
 
@@ -52,12 +50,8 @@ def write_results(curator: Path, records: list[Mapping[str, Any]], candidates: l
         rows.append({"trial": i, "status": record.get("status"), "score": record.get("score"),
                      **{key: candidate.get(key) for key in space.keys}, "seconds": record.get("seconds"),
                      "selected": i == winner, "error": record.get("error")})
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=["trial", "status", "score", *space.keys, "seconds", "selected",
-                                                "error"])
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(curator / "results.csv", buffer.getvalue())
+    atomic_write_csv(curator / "results.csv", ["trial", "status", "score", *space.keys, "seconds", "selected", "error"],
+                     rows)
     _plot(curator / "results.png", rows, space)
     return rows
 

@@ -20,14 +20,16 @@ goes through ``parse_json``, which refuses those tokens by name.
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
+import io
 import json
 import os
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from dporl.utils.validation import ValidationError
 
@@ -109,6 +111,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], suffix: 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def atomic_write_csv(path: str | os.PathLike, fieldnames: Sequence[str], rows: Iterable[Mapping[str, Any]],
+                     **writer_options: Any) -> Path:
+    """``rows`` as a CSV with a header, fields quoted where they need it (``csv.DictWriter``), written atomically."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(fieldnames), **writer_options)
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(path, buffer.getvalue())
 
 
 def atomic_write_json(path: str | os.PathLike, payload: Any) -> Path:

@@ -7,8 +7,6 @@ other one where it is defined (a replace-one guarantee says nothing about add/re
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,7 +17,7 @@ from dporl.pipelines.ope.config import OPEConfig
 from dporl.privacy.accountants import analysis_name
 from dporl.privacy.relations import CONVERSION
 from dporl.utils.config import to_dict
-from dporl.utils.io import atomic_write_json, atomic_write_text
+from dporl.utils.io import atomic_write_csv, atomic_write_json, atomic_write_text
 
 EPSILON_KEYS = ("epsilon_replace_one", "epsilon_add_remove")
 RELATION_WORDS = {"replace_one": "replace one trajectory", "add_remove": "add/remove one trajectory"}
@@ -85,11 +83,8 @@ def write_results(
     other = "add_remove" if relation == "replace_one" else "replace_one"
     columns = ["method", "m", "trials"] + [f"{k}_{s}" for k in keys for s in ("mean", "lo", "high")] + [
         "epsilon", f"epsilon_{other}"]
-    buffer = io.StringIO()  # quoted where a field needs it: method labels hold commas
-    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({c: entry.get(c, "") for c in columns} for entry in table)
-    atomic_write_text(run_dir / "results.csv", buffer.getvalue())
+    atomic_write_csv(run_dir / "results.csv", columns,  # quoted where a field needs it: method labels hold commas
+                     ({c: entry.get(c, "") for c in columns} for entry in table), lineterminator="\n")
 
     headline = keys[0]
     lines = [
