@@ -166,14 +166,16 @@ def stable_prefix_budget(
     return budget
 
 
-def check_stability_precondition(budget: StablePrefixBudget, p_min: float, n_experts: float, what: str) -> None:
+def check_stability_precondition(budget: StablePrefixBudget, p_min: float, n_experts: float, what: str,
+                                 remedy: str = "") -> None:
     """Refuse (``PrivacyBudgetError`` naming p_min) a release whose experts cannot make even the first action stable:
-    ``n_experts`` p_min < G0. ``what`` says in words which count ``n_experts`` is (it appears in the message)."""
+    ``n_experts`` p_min < G0. ``what`` says in words which count ``n_experts`` is (it appears in the message);
+    ``remedy``, a way out beyond the usual ones (appended to the message)."""
     if n_experts * p_min < budget.g0:
         raise PrivacyBudgetError(
             "p_min",
             f"n_experts * p_min = {n_experts:g} * {p_min:g} = {n_experts * p_min:.4g} < G0 = 1/(1 - exp(-eps')) = "
             f"{budget.g0:.4g} (eps' = {budget.epsilon_prime:.4g}, T={budget.trajectories}; n_experts: {what}): not "
             "even the first action is stable and the release would not be private; use more experts, a larger "
-            "p_min, a larger release epsilon or fewer trajectories",
+            f"p_min, a larger release epsilon or fewer trajectories{remedy}",
         )

@@ -19,7 +19,7 @@ from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.relations import ADD_REMOVE
 from dporl.privacy.sparse_vector import StablePrefixBudget, check_stability_precondition, stable_prefix_budget
 from dporl.privacy.units import EXPERT, Relation
-from dporl.utils.validation import PrivacyBudgetError, ValidationError, check_positive, check_probability
+from dporl.utils.validation import ValidationError, check_positive, check_probability
 
 RELEASE_STAGE = "release"
 ReleaseSource = Literal["fresh", "logged"]
@@ -215,15 +215,10 @@ def check_precondition(plan: ReleasePlan, units: Units) -> None:
     """Refuse a release whose experts cannot make the first action stable (m p_min < G0), m = ``stability_floor``."""
     what = (f"the lower confidence bound of the released count, less one ({units.describe()}; it holds except with "
             f"probability {units.failure:g})" if units.released else units.describe())
-    try:
-        check_stability_precondition(plan.budget, plan.p_min, stability_floor(units), what)
-    except PrivacyBudgetError as exc:
-        if not units.released:
-            raise
-        # The bound, not the experts, may be what fails: a count at a small epsilon has a loose lower bound.
-        message = str(exc).split(": ", 1)[1]
-        raise PrivacyBudgetError(exc.field, f"{message}; or a larger count_fraction (the count's share of epsilon, "
-                                 f"here {units.epsilon:g}: a larger share tightens its lower bound)") from None
+    # Where the count is released, its lower bound (not the experts) may be what fails: a larger share tightens it.
+    remedy = (f"; or a larger count_fraction (the count's share of epsilon, here {units.epsilon:g}: a larger share "
+              "tightens its lower bound)" if units.released else "")
+    check_stability_precondition(plan.budget, plan.p_min, stability_floor(units), what, remedy)
 
 
 def accounting_plan(*, epsilon: float, delta: float, config: StablePrefixConfig, p_min: float,
