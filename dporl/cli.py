@@ -68,13 +68,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    from dporl.pipelines import get_pipeline, run_cli
-    from dporl.utils.config import apply_overrides, dump_config, from_dict, load_yaml
+    from dporl.pipelines import read_config, run_cli
+    from dporl.utils.config import dump_config, from_dict
 
     if getattr(args, "print_config", False):
         try:
-            data = apply_overrides(load_yaml(args.config), args.overrides)
-            pipeline = get_pipeline(data.get("pipeline"))
+            pipeline, data = read_config(args.config, args.overrides)
             text = dump_config(from_dict(pipeline.config_cls, data))
         except ValidationError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -83,8 +82,7 @@ def train(args: argparse.Namespace) -> int:
         return 0
 
     def work() -> dict:
-        data = apply_overrides(load_yaml(args.config), args.overrides)
-        pipeline = get_pipeline(data.get("pipeline"))
+        pipeline, data = read_config(args.config, args.overrides)
         return pipeline.run(from_dict(pipeline.config_cls, data), mode=args.mode or "new")
 
     return run_cli(work, as_json=args.json, resume_command=resume_command())

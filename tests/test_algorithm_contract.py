@@ -224,9 +224,16 @@ def test_every_shipped_config_names_a_known_pipeline_and_parses():
         from_dict(pipeline.config_cls, data)
 
 
-def test_dporl_train_runs_the_sweep_config(tmp_path, capsys):
-    """configs/sweep_cartpole.yaml through ``dporl train`` (and ``dporl sweep``), tiny: 64 experts, 4 steps."""
+def test_dporl_train_runs_the_sweep_config_from_another_directory(tmp_path, capsys, monkeypatch):
+    """configs/sweep_cartpole.yaml through ``dporl train`` (and ``dporl sweep``), tiny: 64 experts, 4 steps, from a
+    working directory outside the repository: the sweep's ``base`` names a file next to the sweep file."""
+    import os
+
     from dporl.cli import main
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    sweep_file = os.path.relpath(ROOT / "configs/sweep_cartpole.yaml")  # a relative path, as a user types it
 
     generation = ["data.generate.out_dir=" + str(tmp_path / "data"), "data.generate.experts.points_per_axis=4",
                   "data.generate.trajectories_per_expert=1", "data.generate.max_episode_steps=40",
@@ -235,16 +242,36 @@ def test_dporl_train_runs_the_sweep_config(tmp_path, capsys):
              "trainer.checkpoint_every=2", "eval.episodes=1", "eval.num_envs=1", "eval.max_episode_steps=20",
              "eval.last_evals=1", "batch_size=16", "algorithm.hidden_sizes=[8]",
              "noise_seed=7"]  # one fixed draw: a secret count at eps 0.1 of 64 experts lands below 1, rarely
-    overrides = [f"base={ROOT / 'configs/expert_cql_cartpole.yaml'}", f"overrides={inner}", "epsilons=[10.0]",
+    overrides = [f"overrides={inner}", "epsilons=[10.0]",
                  "methods=[non_private, dp_sgd]", "seeds=[0]", f"out_dir={tmp_path / 'sweep'}", "progress=false"]
-    assert main(["train", "--config", str(ROOT / "configs/sweep_cartpole.yaml"), *overrides]) == 0, \
+    assert main(["train", "--config", sweep_file, *overrides]) == 0, \
         capsys.readouterr().err
     import csv
 
     rows = list(csv.DictReader((tmp_path / "sweep" / "runs.csv").open()))
     assert [(r["method"], r["epsilon"], r["error"]) for r in rows] == [("non_private", "", ""), ("dp_sgd", "10.0", "")]
     assert float(rows[1]["guarantee_epsilon"]) <= 10.0 and int(rows[1]["steps"]) == 4
-    assert main(["sweep", "--config", str(ROOT / "configs/sweep_cartpole.yaml"), *overrides]) == 0  # read back
+    assert main(["sweep", "--config", sweep_file, *overrides]) == 0  # read back
+
+
+def test_a_config_files_base_is_relative_to_the_file_and_an_overrides_to_the_working_directory(tmp_path, monkeypatch):
+    from dporl.pipelines import read_config
+
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "sweep.yaml").write_text("pipeline: sweep\nbase: ../trains/train.yaml\n")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    pipeline, data = read_config("../sweeps/sweep.yaml")
+    assert pipeline.name == "sweep"
+    assert Path(data["base"]).resolve() == (tmp_path / "trains" / "train.yaml").resolve()
+    _, data = read_config("../sweeps/sweep.yaml", ["base=mine.yaml"])
+    assert data["base"] == "mine.yaml"  # a command-line path: relative to where the command runs
+    (tmp_path / "sweeps" / "absolute.yaml").write_text(f"pipeline: sweep\nbase: {tmp_path / 'b.yaml'}\n")
+    assert read_config("../sweeps/absolute.yaml")[1]["base"] == str(tmp_path / "b.yaml")
+    _, data = read_config(tmp_path / "sweeps" / "sweep.yaml")  # a train file names no file keys: unchanged
+    train = tmp_path / "sweeps" / "train.yaml"
+    train.write_text("pipeline: train\nrun_dir: runs/x\n")
+    assert read_config(train)[1]["run_dir"] == "runs/x"
 
 
 # ---------------------------------------------------------------------------------------------------- one spelling

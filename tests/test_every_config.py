@@ -176,7 +176,7 @@ def recipe(path: Path, tmp_path: Path, request) -> tuple[list[str], list[str]]:
     if kind == "ope":
         return ["train", "--config", str(path)], [f"run_dir={tmp_path / 'run'}", *OPE, *EXTRA.get(name, [])]
     if kind == "sweep":  # the base's tiny recipe appended to the sweep's own overrides; the first budget, one seed
-        base = _train_overrides(ROOT / config["base"], tmp_path, request)
+        base = _train_overrides(path.parent / config["base"], tmp_path, request)
         return ["sweep", "--config", str(path)], [
             f"out_dir={tmp_path / 'run'}", f"overrides={json.dumps([*config.get('overrides', []), *base])}",
             f"epsilons=[{config['epsilons'][0]}]", *SWEEP, *EXTRA.get(name, [])]

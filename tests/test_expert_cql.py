@@ -358,4 +358,4 @@ def test_shipped_configs_parse():
             from_dict(DatasetConfig, {"pipeline": "dataset", **parsed.data.generate})
     for path in sorted(root.glob("sweep_*.yaml")):
         sweep = from_dict(SweepConfig, load_yaml(path))
-        from_dict(TrainPipelineConfig, load_yaml(root.parent / sweep.base))
+        from_dict(TrainPipelineConfig, load_yaml(root / sweep.base))

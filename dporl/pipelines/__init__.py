@@ -5,6 +5,11 @@ A YAML config names its pipeline (``pipeline: train``); the rest of the file is 
 ``mode`` ("new", "resume", "overwrite": ``dporl train``'s default, ``--resume``, ``--overwrite``) and checks every
 input before writing.
 
+``read_config(path, overrides)`` reads a config file: the keys a pipeline declares as file references
+(``Pipeline.file_keys``, e.g. a sweep's ``base``) name files relative to the config file's own directory, so a
+config runs from any working directory; a ``key=value`` override is a command-line argument and stays relative to
+the working directory.
+
 ``PIPELINES`` is the one registry: each name maps to the module whose ``PIPELINE`` attribute is that pipeline, so the
 command line imports only what it runs and no second list can disagree with it.
 """
@@ -14,7 +19,8 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 from dporl.utils.io import CURATOR_LABEL, curator_note, dump_json  # noqa: F401  (re-exported for the pipelines)
 from dporl.utils.validation import ValidationError
@@ -27,6 +33,8 @@ class Pipeline:
     run: Callable[..., dict]  # run(config, mode="new") -> summary
     # evaluate(checkpoint_payload, episodes, seed, out_dir) -> metrics, for evaluate.py
     evaluate: Optional[Callable[..., dict]] = None
+    # top-level keys whose values in a config file are paths relative to that file's directory (``read_config``)
+    file_keys: tuple[str, ...] = ()
 
 
 # Name -> the module defining ``PIPELINE`` (imported on first use), with the one line ``dporl list`` shows.
@@ -47,6 +55,23 @@ def get_pipeline(name: Any) -> Pipeline:
     if not isinstance(pipeline, Pipeline) or pipeline.name != name:
         raise ValidationError("pipeline", f"{PIPELINES[name][0]}.PIPELINE is not the pipeline {name!r}")
     return pipeline
+
+
+def read_config(path: str | Path, overrides: Sequence[str] = (), pipeline: Optional[str] = None
+                ) -> tuple[Pipeline, dict[str, Any]]:
+    """(the pipeline, its config data) of the YAML file ``path`` with ``overrides`` applied: the file's relative
+    paths under the pipeline's ``file_keys`` resolved against the file's directory first (an override's path stays
+    relative to the working directory). ``pipeline``: the name to use when the file names none."""
+    from dporl.utils.config import apply_overrides, load_yaml
+
+    data = load_yaml(path)
+    chosen = get_pipeline(data.get("pipeline", pipeline))
+    for key in chosen.file_keys:
+        value = data.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            data[key] = str(Path(path).parent / value)
+    data = apply_overrides(data, overrides)
+    return get_pipeline(data.get("pipeline", pipeline)), data
 
 
 def known_pipelines() -> list[str]:

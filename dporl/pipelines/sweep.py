@@ -33,7 +33,7 @@ from typing import Any, Literal, Optional
 from dporl.eval.returns import confidence_interval
 from dporl.logging import plot_lines
 from dporl.methods.unit_level import METHODS, unit_level_method
-from dporl.pipelines import Pipeline, run_cli
+from dporl.pipelines import Pipeline, read_config, run_cli
 from dporl.pipelines.train import PIPELINE_NAME as TRAIN, TrainPipelineConfig, generate_dataset
 from dporl.pipelines.train import run as run_train
 from dporl.train.run_dir import RunMode
@@ -53,7 +53,7 @@ class EpsilonOverrides:
 @dataclass
 class SweepConfig:
     pipeline: str = NAME
-    base: str = "configs/expert_cql_cartpole.yaml"  # a "train" config
+    base: str = "configs/expert_cql_cartpole.yaml"  # a "train" config; in a sweep file, relative to the file
     overrides: list[str] = field(default_factory=list)  # applied to the base config of every run
     epsilons: list[float] = field(default_factory=lambda: [10.0, 7.5, 5.0, 2.0, 1.0])
     methods: list[str] = field(default_factory=lambda: list(METHODS))  # dporl.methods.unit_level
@@ -281,7 +281,7 @@ def _write_outputs(out_dir: Path, rows: list[dict], table: list[dict], config: S
                    ylabel=_METRIC_LABELS[config.metric], title="private training over units", logx=True)
 
 
-PIPELINE = Pipeline(NAME, SweepConfig, run)
+PIPELINE = Pipeline(NAME, SweepConfig, run, file_keys=("base",))
 
 
 def main(argv: list[str] | None = None, prog: Optional[str] = None) -> int:
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None, prog: Optional[str] = None) -> int:
     args = parser.parse_args(argv)
 
     def work() -> dict:
-        config = from_dict(SweepConfig, apply_overrides(load_yaml(args.config), args.overrides))
+        _, data = read_config(args.config, args.overrides, pipeline=NAME)
+        config = from_dict(SweepConfig, data)
         return tabulate(config, args.from_runs) if args.from_runs else run(config)
 
     return run_cli(work)
