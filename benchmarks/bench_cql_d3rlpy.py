@@ -101,7 +101,7 @@ class DporlSide:
     def __init__(self):
         import torch
 
-        from dporl.algos.cql import CQLConfig, DiscreteCQL
+        from dporl.algos.cql import CQLConfig, DiscreteCQLModule
         from dporl.privacy.samplers import UniformBatchSource
         from dporl.train.config import OptimizerConfig
         from dporl.train.trainer import build_optimizer
@@ -115,7 +115,7 @@ class DporlSide:
         }
         self.source = UniformBatchSource(data, BATCH)
         self.generator = torch.Generator().manual_seed(0)
-        self.model = DiscreteCQL(OBS_DIM, N_ACTIONS, CQLConfig(
+        self.model = DiscreteCQLModule(OBS_DIM, N_ACTIONS, CQLConfig(
             hidden_sizes=HIDDEN, gamma=GAMMA, alpha=ALPHA, td_loss="huber", target="double_dqn",
             target_update_every=TARGET_EVERY))
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -53,7 +53,7 @@ import warnings
 
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos.cql import CQLConfig, DiscreteCQLModule
 from dporl.privacy.dpsgd import DPSGDEngine
 from dporl.privacy.noise import NoiseSource
 from dporl.privacy.randomness import SecretRoot
@@ -100,7 +100,7 @@ class Setup:
         self.args, self.batch, self.device = args, batch, device
         generator = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
-        self.initial = DiscreteCQL(OBS_DIM, N_ACTIONS, CQLConfig(hidden_sizes=hidden))
+        self.initial = DiscreteCQLModule(OBS_DIM, N_ACTIONS, CQLConfig(hidden_sizes=hidden))
         self.batches = {k: make_batch(batch, k, generator, device) for k in (1, 4)}
         # Sources over a population of 10 * batch units, rate 0.1: B units per step in expectation.
         population = 10 * batch

@@ -6,7 +6,7 @@ The public surface, in the order a user meets it::
 
     data = dporl.read_table("stays.csv", episode="stay", unit="clinician", observations="obs_",
                             action="action", actions=2, reward="reward", propensity="propensity")
-    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)         # declared actions, unit from the data
+    cql = dporl.DiscreteCQLConfig(epsilon=1.0).create(data)         # a dporl.DiscreteCQL; unit from the data
     result = cql.fit(run_dir="runs/stays")                            # private CQL + private offline evaluation
     policy = dporl.load_policy(result.policy_dir)                     # plain torch: policy.act(obs)
 
@@ -14,9 +14,10 @@ The public surface, in the order a user meets it::
   ``import_summary``;
 - privacy units and splits: ``PrivacyUnit``, ``grouped_by``, ``dataset_unit``, ``UnitPartition``;
 - algorithms, from the registry (``dporl.algos.registry``; ``dporl list`` shows them): per registered algorithm its
-  Python API config (``DiscreteCQLConfig``, ``DiscreteBCConfig``: d3rlpy-like, ``.create(dataset)`` -> a
-  ``PrivateLearner`` with ``.fit``), its hyper-parameters (``CQLConfig``, ``BCConfig``) and its module
-  (``DiscreteCQL``, ``DiscreteBC``: the network and its per-row losses); ``PrivateAlgorithm`` is the contract;
+  Python API config (``DiscreteCQLConfig``, ``DiscreteBCConfig``), the algorithm its ``.create(dataset)`` returns,
+  as in d3rlpy (``DiscreteCQL``, ``DiscreteBC``: a ``PrivateLearner`` with ``.fit``, ``.predict``, ``.policy``), its
+  hyper-parameters (``CQLConfig``, ``BCConfig``) and its torch module (``DiscreteCQLModule``, ``DiscreteBCModule``:
+  the network and its per-row losses); ``PrivateAlgorithm`` is the contract;
 - private training: ``Trainer``, ``TrainerConfig``, ``DPConfig``, ``OptimizerConfig``, ``PrivacyLedger``,
   ``SecretRoot``;
 - private evaluation on logged data: ``dp_importance_sampling``, ``dp_fqe``, ``dp_doubly_robust``, ``FQETraining``
@@ -112,6 +113,10 @@ def _resolve(name: str) -> Any:
         from dporl.api import api_config
 
         return api_config(entry)
+    if kind == "learner":
+        from dporl.api import api_learner
+
+        return api_learner(entry)
     return entry.config_cls if kind == "config" else entry.algorithm_cls
 
 
@@ -130,8 +135,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from dporl.algos.base import PrivateAlgorithm
-    from dporl.algos.bc import BCConfig, DiscreteBC
-    from dporl.algos.cql import CQLConfig, DiscreteCQL
+    from dporl.algos.bc import BCConfig, DiscreteBCModule
+    from dporl.algos.cql import CQLConfig, DiscreteCQLModule
     from dporl.algos.fqe import FQEConfig
     from dporl.api import FitResult, PrivateLearner
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset

@@ -10,7 +10,9 @@
 Every registered algorithm (``dporl.algos.registry``) has an API config named by its registration
 (``dporl.DiscreteCQLConfig``, ``dporl.DiscreteBCConfig``, ...): the private-training settings of ``FitSettings``
 followed by the algorithm's own hyper-parameters (its config class's fields, with the registration's
-``api_defaults``). ``create(dataset)`` builds the algorithm for the dataset; ``fit`` runs the ``train`` pipeline (the
+``api_defaults``). ``create(dataset)`` builds the algorithm for the dataset, as d3rlpy's configs do: an instance of
+the API class named without "Config" (``dporl.DiscreteCQL``, ``dporl.DiscreteBC``; a ``PrivateLearner``) holding
+the registered torch module (``DiscreteCQLModule``, ``DiscreteBCModule``); ``fit`` runs the ``train`` pipeline (the
 code path behind ``dporl train --config``) on the dataset in memory, with method ``dp_sgd`` (``non_private`` when
 ``private=False``): unit-level DP-SGD over the dataset's unit (the column named in ``read_table``), then the policy's
 evaluation: in the simulator when the dataset's env id is a registered Gymnasium environment, else privately on
@@ -121,9 +123,10 @@ class FitSettings:
         )
 
     def create(self, dataset: TrajectoryDataset) -> "PrivateLearner":
-        """The algorithm for ``dataset``: observation size, the declared action set and the privacy unit from its
-        metadata (an imported table declares its actions: ``read_table(..., actions=...)``)."""
-        return PrivateLearner(self, dataset)
+        """The algorithm for ``dataset`` (``dporl.DiscreteCQL`` for ``dporl.DiscreteCQLConfig``, ...): observation
+        size, the declared action set and the privacy unit from its metadata (an imported table declares its
+        actions: ``read_table(..., actions=...)``)."""
+        return api_learner(registry.get(self.algorithm_name))(self, dataset)
 
 
 @dataclass(frozen=True)
@@ -162,9 +165,20 @@ class FitResult:
 
 
 class PrivateLearner:
-    """A registered algorithm built for one dataset; ``fit`` trains it privately and releases its greedy policy."""
+    """A registered algorithm built for one dataset; ``fit`` trains it privately and releases its greedy policy.
+
+    The base of every algorithm's API class (``dporl.DiscreteCQL``, ``dporl.DiscreteBC``, ...: ``api_learner``); the
+    torch module it trains is ``module`` (a ``PrivateAlgorithm``)."""
+
+    algorithm_name: typing.ClassVar[str] = ""  # the registered algorithm (set on each API class)
 
     def __init__(self, config: FitSettings, dataset: TrajectoryDataset):
+        if not isinstance(config, FitSettings):
+            raise ValidationError("config", f"expected an API config (dporl.DiscreteCQLConfig, ...), got "
+                                  f"{type(config).__name__}")
+        if self.algorithm_name and config.algorithm_name != self.algorithm_name:
+            raise ValidationError("config", f"{type(self).__name__} trains {self.algorithm_name!r}, the config is "
+                                  f"{type(config).__name__} ({config.algorithm_name!r}): use its create()")
         if not isinstance(dataset, TrajectoryDataset):
             raise ValidationError("dataset", f"expected a TrajectoryDataset (dporl.read_table, read_minari, "
                                   f"TrajectoryDataset.load), got {type(dataset).__name__}")
@@ -215,6 +229,22 @@ class PrivateLearner:
 
 
 _API_CONFIGS: dict[str, type] = {}
+_API_LEARNERS: dict[str, type] = {}
+
+
+def api_learner(entry: registry.AlgorithmEntry) -> type:
+    """The Python API class of a registered algorithm (built once, named ``entry.learner_name``: ``DiscreteCQL``
+    for ``DiscreteCQLConfig``): what its API config's ``create(dataset)`` returns."""
+    if entry.learner_name not in _API_LEARNERS:
+        cls = type(entry.learner_name, (PrivateLearner,), {
+            "algorithm_name": entry.name,
+            "__doc__": f"{entry.summary}, built for one dataset by ``dporl.{entry.api_name}(...).create(dataset)``: "
+                       f"``fit(run_dir=...)`` trains its {entry.algorithm_cls.__name__} privately and releases its "
+                       "greedy policy (``dporl.api.PrivateLearner``).",
+            "__module__": __name__,
+        })
+        _API_LEARNERS[entry.learner_name] = cls
+    return _API_LEARNERS[entry.learner_name]
 
 
 def api_config(entry: registry.AlgorithmEntry) -> type:
@@ -251,8 +281,11 @@ def api_config(entry: registry.AlgorithmEntry) -> type:
 
 
 def __getattr__(name: str) -> Any:
-    """The API config classes of the registered algorithms (``dporl.api.DiscreteCQLConfig``, ...)."""
+    """The API config classes of the registered algorithms (``dporl.api.DiscreteCQLConfig``, ...) and the classes
+    their ``create`` returns (``dporl.api.DiscreteCQL``, ...)."""
     for entry in registry.entries():
         if entry.api_name == name:
             return api_config(entry)
+        if entry.learner_name == name:
+            return api_learner(entry)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -150,7 +150,8 @@ def test_the_registry_feeds_the_command_line(capsys):
 def test_the_registry_feeds_the_python_api_and_the_train_config():
     names = set(dporl.__all__)
     for entry in registry.entries():
-        assert {entry.api_name, entry.config_cls.__name__, entry.algorithm_cls.__name__} <= names
+        assert {entry.api_name, entry.learner_name, entry.config_cls.__name__, entry.algorithm_cls.__name__} <= names
+        assert len({entry.api_name, entry.learner_name, entry.config_cls.__name__, entry.algorithm_cls.__name__}) == 4
         api = getattr(dporl, entry.api_name)
         assert getattr(dporl, entry.config_cls.__name__) is entry.config_cls
         assert getattr(dporl, entry.algorithm_cls.__name__) is entry.algorithm_cls

@@ -38,6 +38,29 @@ def test_every_public_name_resolves_and_is_listed():
     assert dporl.read_table is read_table  # the same objects, not copies
 
 
+def test_a_config_creates_the_algorithm_named_without_config_and_the_torch_module_is_named_module(tmp_path):
+    """d3rlpy's shape: ``DiscreteCQLConfig().create(data)`` is a ``DiscreteCQL`` (the algorithm, with ``fit``); the
+    network it trains is a ``DiscreteCQLModule``. The same for behaviour cloning."""
+    from dporl.algos.bc import DiscreteBCModule
+    from dporl.algos.cql import DiscreteCQLModule
+    from dporl.api import PrivateLearner
+
+    from dporl.pipelines.inputs import ExampleTable, example_columns
+    from dporl.utils.config import to_dict
+
+    ExampleTable(units=20, episodes_per_unit=2, seed=1).frame().to_csv(tmp_path / "stays.csv", index=False)
+    data = dporl.read_table(tmp_path / "stays.csv", **to_dict(example_columns()), progress=False)
+    for config, algorithm, module in ((dporl.DiscreteCQLConfig, dporl.DiscreteCQL, DiscreteCQLModule),
+                                      (dporl.DiscreteBCConfig, dporl.DiscreteBC, DiscreteBCModule)):
+        created = config(hidden_sizes=[8], steps=2, progress=False).create(data)
+        assert type(created) is algorithm and isinstance(created, PrivateLearner)
+        assert algorithm.__name__ == config.__name__.removesuffix("Config") and algorithm.__module__ == "dporl.api"
+        assert isinstance(created.module, module) and getattr(dporl, module.__name__) is module
+        assert created.predict(data.initial_observations()[:2]).shape == (2,)
+    with pytest.raises(ValidationError, match="config.*DiscreteBCConfig"):  # an API class trains its own algorithm
+        dporl.DiscreteCQL(dporl.DiscreteBCConfig(hidden_sizes=[8]), data)
+
+
 def test_import_is_light_and_registers_the_environments_as_a_gymnasium_plugin():
     """``import dporl`` does not import torch (the CLI starts fast) and registers dporl/* ids; Gymnasium's
     ``module:id`` syntax imports dporl by itself (how Gymnasium plugin packages are used)."""

@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 import dporl
-from dporl.algos.bc import BCConfig, DiscreteBC
+from dporl.algos.bc import BCConfig, DiscreteBCModule
 from dporl.cli import main
 from dporl.privacy.samplers import Batch
 from dporl.privacy.units import TRANSITION
@@ -42,7 +42,7 @@ def _table(tmp_path: Path, units: int = 1500, **example) -> dporl.TrajectoryData
 
 def test_row_losses_are_the_cross_entropy_of_the_logged_actions():
     torch.manual_seed(0)
-    bc = DiscreteBC(4, 3, BCConfig(hidden_sizes=[8], label_smoothing=0.1), privacy_unit=TRANSITION)
+    bc = DiscreteBCModule(4, 3, BCConfig(hidden_sizes=[8], label_smoothing=0.1), privacy_unit=TRANSITION)
     obs, actions = torch.randn(10, 4), torch.randint(0, 3, (10,))
     losses = bc.row_losses(Batch({"obs": obs, "actions": actions}, torch.arange(10), 10, private=False))
     log_p = torch.log_softmax(bc.policy(obs), dim=1)
@@ -74,13 +74,13 @@ def test_private_bc_through_the_python_api_releases_a_loadable_policy_and_a_guar
                                                                         value_range=[-2.0, 1.0],
                                                                         tolerance=1e6)  # 600 units: any width
                                      ).create(data)
-    assert isinstance(learner.module, DiscreteBC) and learner.unit.column == "clinician"
+    assert isinstance(learner.module, DiscreteBCModule) and learner.unit.column == "clinician"
     result = learner.fit(run_dir=tmp_path / "run")
     epsilon, delta = result.guarantee
     assert epsilon <= 2.0 and delta <= 1e-5
     assert result.evaluation["mode"] == "offline"
     policy = dporl.load_policy(result.policy_dir)
-    assert policy.kind == DiscreteBC.policy_kind
+    assert policy.kind == DiscreteBCModule.policy_kind
     obs = torch.eye(6)
     assert torch.equal(policy.act(obs), learner.predict(obs))
     summary = json.loads((tmp_path / "run" / "release" / "summary.json").read_text())

@@ -4,7 +4,7 @@ is the same as training on rewards already divided by it, and bad scales are ref
 import pytest
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos.cql import CQLConfig, DiscreteCQLModule
 from dporl.privacy.samplers import Batch
 from dporl.utils.validation import ValidationError
 
@@ -24,7 +24,7 @@ def _batch(rewards: torch.Tensor) -> Batch:
 
 def _losses(scale: float, rewards: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(0)  # same initial weights for both modules
-    module = DiscreteCQL(6, 4, CQLConfig(hidden_sizes=[16], reward_scale=scale), privacy_unit="expert")
+    module = DiscreteCQLModule(6, 4, CQLConfig(hidden_sizes=[16], reward_scale=scale), privacy_unit="expert")
     return module.row_losses(_batch(rewards)).detach()
 
 

@@ -195,10 +195,10 @@ def test_evaluation_runs_a_cuda_policy():
     """(The release on CUDA: tests/test_stable_prefix.py::test_fresh_release_with_experts_on_cuda.)"""
     import gymnasium as gym
 
-    from dporl.algos.cql import CQLConfig, DiscreteCQL
+    from dporl.algos.cql import CQLConfig, DiscreteCQLModule
     from dporl.eval.returns import evaluate_returns
 
-    module = DiscreteCQL(4, 2, CQLConfig(hidden_sizes=[16])).cuda()
+    module = DiscreteCQLModule(4, 2, CQLConfig(hidden_sizes=[16])).cuda()
     env = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
     try:
         stats = evaluate_returns(module.act, env, episodes=2, seed=0)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dporl import cli
-from dporl.algos.cql import DiscreteCQL
+from dporl.algos.cql import DiscreteCQLModule
 from dporl.train.checkpoint import load_checkpoint
 from dporl.train.run_dir import RunDirectory, read_journal
 from dporl.utils.validation import ValidationError
@@ -60,14 +60,14 @@ def train(config: Path, *extra: str) -> int:
 
 def crash_at(monkeypatch, step: int) -> None:
     """The next run raises after optimizer step ``step`` (as a crash would stop it)."""
-    original = DiscreteCQL.on_step_end
+    original = DiscreteCQLModule.on_step_end
 
     def crashing(self, done):
         original(self, done)
         if done == step:
             raise RuntimeError(f"injected crash after step {step}")
 
-    monkeypatch.setattr(DiscreteCQL, "on_step_end", crashing)
+    monkeypatch.setattr(DiscreteCQLModule, "on_step_end", crashing)
 
 
 def crashed_run(logged, tmp_path, monkeypatch, step: int = 45) -> Path:

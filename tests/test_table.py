@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos.cql import CQLConfig, DiscreteCQLModule
 from dporl.data import DatasetMetadata, TrajectoryDataset
 from dporl.data.table import import_summary, read_table, to_frame, with_unit
 from dporl.privacy.samplers import Batch
@@ -181,7 +181,7 @@ def test_cql_target_ignores_the_terminal_placeholder():
     dataset = read_table(logged_frame(seed=6), **COLUMNS, terminated="terminated", next_observations="next_")
     assert dataset.terminations.any()
     torch.manual_seed(0)
-    cql = DiscreteCQL(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=dataset_unit(dataset))
+    cql = DiscreteCQLModule(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=dataset_unit(dataset))
     zero = _q_targets_with_placeholder(dataset, 0.0, cql)
     huge = _q_targets_with_placeholder(dataset, 1e6, cql)
     torch.testing.assert_close(zero, huge, rtol=0, atol=0)  # bit-identical: the placeholder is masked, not used

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos.cql import CQLConfig, DiscreteCQLModule
 from dporl.data.table import read_table, to_frame
 from dporl.eval.ope_coverage import TreatmentChain
 from dporl.eval.private_ope import dp_importance_sampling
@@ -45,7 +45,7 @@ def test_csv_to_private_policy_and_its_private_value_in_one_ledger(tmp_path):
     unit = dataset_unit(train)
     t = train.transitions().to_torch()
     source = PoissonUnitSource.from_dataset(train, {k: t[k] for k in KEYS}, sample_rate=0.1, rows_per_unit=4)
-    cql = DiscreteCQL(6, 2, CQLConfig(hidden_sizes=[16], gamma=chain.gamma, target_update_every=20), unit)
+    cql = DiscreteCQLModule(6, 2, CQLConfig(hidden_sizes=[16], gamma=chain.gamma, target_update_every=20), unit)
     ledger.stage("train", budget=(1.0, 1e-5), mechanism="rdp", unit=unit, cells=["train"])
     Trainer(cql, source, config=TrainerConfig(max_steps=150, progress=False, eval_every=150, checkpoint_every=150,
                                               optimizer=OptimizerConfig(lr=0.01)),

@@ -215,19 +215,19 @@ def test_a_crash_then_another_noise_multiplier_charges_the_journal_as_recorded(l
     config = _config(logged, run, method="dp_sgd", **{"dp.noise_multiplier": 3.0, "trainer.checkpoint_every": 1000})
     import dporl.algos.cql as cql
 
-    original = cql.DiscreteCQL.on_step_end
+    original = cql.DiscreteCQLModule.on_step_end
 
     def crash(self, step):
         if step == 9:
             raise RuntimeError("crash before the first checkpoint")
         return original(self, step)
 
-    cql.DiscreteCQL.on_step_end = crash
+    cql.DiscreteCQLModule.on_step_end = crash
     try:
         with pytest.raises(RuntimeError, match="crash"):
             _train(tmp_path, config)
     finally:
-        cql.DiscreteCQL.on_step_end = original
+        cql.DiscreteCQLModule.on_step_end = original
     # A checkpoint before every journal block: the one before the block holding step 9.
     assert load_checkpoint(run / "curator" / "checkpoints" / "last.pt")["step"] == 8
     journaled = read_journal(run / "curator" / "journal.json").stages["train"].accountant.history

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dporl.algos.cql import CQLConfig, DiscreteCQL
+from dporl.algos.cql import CQLConfig, DiscreteCQLModule
 from dporl.data.table import read_table
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.samplers import MixtureSource, PoissonUnitSource, UniformBatchSource
@@ -58,20 +58,20 @@ def test_source_groups_rows_by_the_datasets_unit():
 
 def test_trainer_refuses_an_algorithm_declaring_another_unit_and_writes_nothing(tmp_path):
     dataset = _table()
-    wrong = DiscreteCQL(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=EXPERT)  # "one expert" on patient rows
+    wrong = DiscreteCQLModule(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=EXPERT)  # "one expert" on patient rows
     with pytest.raises(ValidationError, match="groups rows by unit") as info:
         _trainer(tmp_path, wrong, _source(dataset), PrivacyLedger()).fit()
     assert info.value.field == "algorithm.privacy_unit"
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValidationError, match="privacy_unit"):
-        _trainer(tmp_path, DiscreteCQL(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=TRAJECTORY),
+        _trainer(tmp_path, DiscreteCQLModule(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=TRAJECTORY),
                  _source(dataset), PrivacyLedger()).fit()
 
 
 def test_matching_unit_trains_and_the_report_names_the_users_column(tmp_path):
     dataset = _table()
     ledger = PrivacyLedger()
-    algorithm = DiscreteCQL(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=dataset_unit(dataset))
+    algorithm = DiscreteCQLModule(3, 3, CQLConfig(hidden_sizes=[8]), privacy_unit=dataset_unit(dataset))
     result = _trainer(tmp_path, algorithm, _source(dataset), ledger).fit()
     guarantee = result.privacy["guarantee"]
     assert guarantee["unit"] == "unit" and guarantee["unit_column"] == "unit"

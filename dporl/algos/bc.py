@@ -25,7 +25,7 @@ from dporl.privacy.units import EXPERT, PrivacyUnit
 from dporl.utils.validation import ValidationError
 
 
-class DiscreteBC(PrivateAlgorithm):
+class DiscreteBCModule(PrivateAlgorithm):
     """Policy network obs -> action logits; ``row_losses`` is the cross-entropy of the logged action."""
 
     loss_form = LossForm.ROW_LOSSES
@@ -61,7 +61,7 @@ class BCConfig(AlgorithmConfig):
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValidationError("bc.label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
 
-    algorithm: ClassVar[type] = DiscreteBC
+    algorithm: ClassVar[type] = DiscreteBCModule
     api_name: ClassVar[str] = "DiscreteBCConfig"
     summary: ClassVar[str] = "behaviour cloning: cross-entropy on the logged actions (the first baseline to run)"
     api_defaults: ClassVar[Mapping[str, Any]] = {"hidden_sizes": [64, 64]}

@@ -45,7 +45,7 @@ def update_target(target: nn.Module, online: nn.Module, step: int, tau: Optional
         target.load_state_dict(online.state_dict())
 
 
-class DiscreteCQL(PrivateAlgorithm):
+class DiscreteCQLModule(PrivateAlgorithm):
     """Q-network + target network; ``row_losses`` reads ``CQL_KEYS``; the released policy is greedy in Q."""
 
     loss_form = LossForm.ROW_LOSSES
@@ -122,7 +122,7 @@ class CQLConfig(AlgorithmConfig):
             check_probability("cql.tau", self.tau, allow_zero=False)
         check_positive("cql.reward_scale", self.reward_scale)
 
-    algorithm: ClassVar[type] = DiscreteCQL
+    algorithm: ClassVar[type] = DiscreteCQLModule
     api_name: ClassVar[str] = "DiscreteCQLConfig"
     summary: ClassVar[str] = "discrete conservative Q-learning (Kumar et al. 2020), the expert-level paper's learner"
     # The Python API trains on tables of a few thousand units: smaller networks, faster target copies.

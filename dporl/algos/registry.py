@@ -6,15 +6,16 @@ accountant registry): everything that lists algorithms reads it.
     class BCConfig(AlgorithmConfig):
         name: str = "bc"
         ...
-        algorithm: ClassVar[type] = DiscreteBC       # a PrivateAlgorithm (dporl.algos.base)
-        api_name: ClassVar[str] = "DiscreteBCConfig"  # dporl.DiscreteBCConfig(...).create(data).fit(run_dir=...)
+        algorithm: ClassVar[type] = DiscreteBCModule  # a PrivateAlgorithm (dporl.algos.base): the torch module
+        api_name: ClassVar[str] = "DiscreteBCConfig"  # dporl.DiscreteBCConfig(...).create(data) -> a dporl.DiscreteBC
         summary: ClassVar[str] = "behaviour cloning: cross-entropy on the logged actions"
 
 A registered config is the ``algorithm:`` section of a ``train`` pipeline config (``algorithm: {name: bc, ...}``,
 or ``algorithm: bc`` for the defaults) and builds its algorithm for a dataset's shapes and privacy unit
 (``config.build(obs_dim, n_actions, unit)``). The registry feeds the ``train`` pipeline (which algorithm a config
-names), the ``dporl`` command (``dporl list``), the Python API (``dporl.<api_name>``, ``dporl.<config class>``,
-``dporl.<algorithm class>``), the config audit and the policy kinds ``dporl.train.export`` loads.
+names), the ``dporl`` command (``dporl list``), the Python API (``dporl.<api_name>``, the object its ``create`` returns,
+``dporl.<learner_name>``: the API name without "Config", as d3rlpy names them, ``dporl.<config class>``,
+``dporl.<algorithm class>``: the torch module), the config audit and the policy kinds ``dporl.train.export`` loads.
 
 Registration checks the algorithm against the contract (``dporl.algos.base.check_contract``): a class missing a
 declaration is refused there, by name. Algorithms register when their module is imported; ``discover()`` imports
@@ -81,6 +82,11 @@ class AlgorithmEntry:
     def policy_kind(self) -> str:
         return str(self.declaration.policy_kind)
 
+    @property
+    def learner_name(self) -> str:
+        """The Python API class its API config creates: ``DiscreteCQL`` for ``DiscreteCQLConfig``."""
+        return self.api_name.removesuffix("Config")
+
     def describe(self) -> str:
         d = self.declaration
         return (f"{self.name}: {self.summary} ({self.algorithm_cls.__name__}; loss {d.loss_form.name.lower()}; reads "
@@ -113,8 +119,14 @@ def register_algorithm(config_cls: type) -> type:
         raise ContractError(f"{algorithm_cls.__name__}.policy_kind", "a registered algorithm releases a policy: "
                             "declare its kind")
     api_name = config_cls.api_name
-    if not isinstance(api_name, str) or not api_name.isidentifier():
-        raise ContractError(f"{where}.api_name", f"must be a Python identifier, got {api_name!r}")
+    if not isinstance(api_name, str) or not api_name.isidentifier() or not api_name.endswith("Config") \
+            or api_name == "Config":
+        raise ContractError(f"{where}.api_name", f"must be a Python identifier ending in 'Config' (its create() "
+                            f"returns the class named without it), got {api_name!r}")
+    learner_name = api_name.removesuffix("Config")
+    if learner_name in (where, algorithm_cls.__name__):
+        raise ContractError(f"{where}.api_name", f"{learner_name!r} (what {api_name}.create() returns) is the name of "
+                            f"the {'config' if learner_name == where else 'algorithm'} class too: rename that class")
     unknown = sorted(set(config_cls.api_defaults) - set(defaults) - {"name"})
     if unknown:
         raise ContractError(f"{where}.api_defaults", f"{unknown} are not fields of {where}")
@@ -122,8 +134,9 @@ def register_algorithm(config_cls: type) -> type:
     existing = _REGISTRY.get(name)
     if existing is not None and existing.config_cls.__qualname__ != config_cls.__qualname__:
         raise ContractError(f"{where}.name", f"{name!r} is registered already (by {existing.config_cls.__name__})")
-    taken = {e.api_name: e.name for e in _REGISTRY.values() if e.name != name}
-    if api_name in taken:
+    taken = {exported: e.name for e in _REGISTRY.values() if e.name != name
+             for exported in (e.api_name, e.learner_name)}
+    if api_name in taken or learner_name in taken:
         raise ContractError(f"{where}.api_name", f"{api_name!r} is the API name of {taken[api_name]!r} already")
     _REGISTRY[name] = entry
     return config_cls
@@ -195,10 +208,12 @@ def policy_kinds() -> dict[str, AlgorithmEntry]:
 
 def exported_names() -> dict[str, tuple[str, str]]:
     """Python API names the registry provides: name -> (kind, algorithm) with kind "api" (``dporl.<api_name>``, in
-    ``dporl.api``), "config" (the config class) or "algorithm" (the algorithm class)."""
+    ``dporl.api``), "learner" (what the API config creates, in ``dporl.api``), "config" (the config class) or
+    "algorithm" (the algorithm class: the torch module)."""
     out: dict[str, tuple[str, str]] = {}
     for entry in entries():
         out[entry.api_name] = ("api", entry.name)
+        out[entry.learner_name] = ("learner", entry.name)
         out[entry.config_cls.__name__] = ("config", entry.name)
         out[entry.algorithm_cls.__name__] = ("algorithm", entry.name)
     return out

@@ -36,7 +36,7 @@ def public_generator(seed: int, name: str) -> torch.Generator:
 def seeded(seed: int) -> Iterator[None]:
     """Run the block with torch's global CPU generator seeded by ``seed``, restoring its state afterwards.
 
-    For module construction: ``with seeded(cfg.trainer.seed): model = DiscreteCQL(...)`` initialises the same
+    For module construction: ``with seeded(cfg.trainer.seed): model = DiscreteCQLModule(...)`` initialises the same
     weights whatever ran before, and leaves the global generator as it found it.
     """
     with torch.random.fork_rng(devices=[]):
