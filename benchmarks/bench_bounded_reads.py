@@ -58,10 +58,10 @@ def write_bomb(path: Path, inflated: int) -> None:
 
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
-    meta = DatasetMetadata(env_id="CartPole-v1", n_actions=2, n_experts=1, obs_shape=(4,))
+    meta = DatasetMetadata(env_id="CartPole-v1", n_actions=2, n_units=1, obs_shape=(4,))
     small = TrajectoryDataset(observations=np.zeros((3, 4), np.float32), actions=[0, 1], rewards=[1.0, 1.0],
                               terminations=[False, True], truncations=[False, False], episode_lengths=[2],
-                              expert_ids=[0], metadata=meta)
+                              unit_ids=[0], metadata=meta)
     small.save(path.with_suffix(".small.npz"))
     rows = inflated // 16
     header = io.BytesIO()

@@ -22,8 +22,8 @@ import torch
 from dporl.data import DatasetMetadata, TrajectoryDataset
 
 
-def make_dataset(n_experts: int, per_expert: int, rng: np.random.Generator) -> TrajectoryDataset:
-    n_episodes = n_experts * per_expert
+def make_dataset(n_units: int, per_expert: int, rng: np.random.Generator) -> TrajectoryDataset:
+    n_episodes = n_units * per_expert
     lengths = rng.integers(1, 201, n_episodes)
     n_transitions = int(lengths.sum())
     last = np.cumsum(lengths) - 1
@@ -38,9 +38,9 @@ def make_dataset(n_experts: int, per_expert: int, rng: np.random.Generator) -> T
         terminations=terminations,
         truncations=truncations,
         episode_lengths=lengths,
-        expert_ids=np.repeat(np.arange(n_experts), per_expert),
+        unit_ids=np.repeat(np.arange(n_units), per_expert),
         behavior_log_probs=np.log(rng.uniform(0.05, 0.95, n_transitions)).astype(np.float32),
-        metadata=DatasetMetadata("CartPole-v1", 2, n_experts, (4,), p_min=0.05),
+        metadata=DatasetMetadata("CartPole-v1", 2, n_units, (4,), p_min=0.05),
     )
 
 
@@ -81,8 +81,8 @@ def loop_prefixes(data: TrajectoryDataset, ids: np.ndarray, ends: np.ndarray) ->
 
 
 def loop_expert_index(data: TrajectoryDataset) -> list[list[int]]:
-    groups: list[list[int]] = [[] for _ in range(data.metadata.n_experts)]
-    for e, expert in enumerate(data.expert_ids.tolist()):
+    groups: list[list[int]] = [[] for _ in range(data.metadata.n_units)]
+    for e, expert in enumerate(data.unit_ids.tolist()):
         groups[expert].append(e)
     return groups
 
@@ -110,9 +110,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    n_experts = args.experts or (100 if args.quick else 3000)
+    n_units = args.experts or (100 if args.quick else 3000)
     rng = np.random.default_rng(0)
-    data = make_dataset(n_experts, 20, rng)
+    data = make_dataset(n_units, 20, rng)
     print(f"{data}: {data.observations.nbytes / 2**20:.0f} MiB of observations")
 
     t_method, transitions = timed(data.transitions)
@@ -134,10 +134,10 @@ def main() -> None:
     assert np.array_equal(prefixes.observations, looped_prefixes.observations)
     report("fragments(prefixes)", t_method, t_loop, "per-episode from_episodes")
 
-    t_method, (order, offsets) = timed(data.expert_episode_index)
+    t_method, (order, offsets) = timed(data.unit_episode_index)
     t_loop, groups = timed(lambda: loop_expert_index(data))
     assert order[offsets[7] : offsets[8]].tolist() == groups[7]
-    report("expert_episode_index()", t_method, t_loop, "dict-of-lists loop")
+    report("unit_episode_index()", t_method, t_loop, "dict-of-lists loop")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "d.npz"
@@ -145,7 +145,7 @@ def main() -> None:
         assert np.array_equal(loaded.observations, data.observations)
         raw = Path(tmp) / "raw.npz"
         arrays = {k: getattr(data, k) for k in ("observations", "actions", "rewards", "terminations", "truncations",
-                                               "episode_lengths", "expert_ids", "start_steps", "behavior_log_probs")}
+                                               "episode_lengths", "unit_ids", "start_steps", "behavior_log_probs")}
 
         def bare_round_trip():
             np.savez(raw, **arrays)

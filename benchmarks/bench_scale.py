@@ -3,7 +3,7 @@
 Three measurements, each a ratio taken in one run with the two sides interleaved (the machine is shared):
 
 1. **Build time** (fresh child processes, rounds alternate): the expert source (``TrajectoryDataset.load`` + the
-   per-step sampler over the CQL columns) and the views (``transitions()``, ``expert_episode_index()``) against a
+   per-step sampler over the CQL columns) and the views (``transitions()``, ``unit_episode_index()``) against a
    bare ``np.load`` that reads every member of the same file. Data: CartPole-shaped episodes (obs 4, 2 actions,
    lengths 1..200, 20 episodes per expert) with behaviour log-probs.
 2. **Peak memory** of the training path in a fresh process: peak RSS (``VmHWM``, the per-process ``ru_maxrss``)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-ARRAYS = ("observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+ARRAYS = ("observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids",
           "start_steps", "behavior_log_probs")
 PER_EXPERT, MEAN_LENGTH, BATCH, ROWS_PER_EXPERT = 20, 100.5, 256, 2
 
@@ -44,8 +44,8 @@ def write_dataset(path: Path, n_transitions: float, seed: int = 0) -> dict:
     """A CartPole-shaped dataset of about ``n_transitions`` transitions, written chunk by chunk (never whole in RAM)
     through ``dporl.data.dataset.write_npz_members`` (or ``np.savez`` on older trees)."""
     rng = np.random.default_rng(seed)
-    n_experts = max(1, int(round(n_transitions / (PER_EXPERT * MEAN_LENGTH))))
-    n_episodes = n_experts * PER_EXPERT
+    n_units = max(1, int(round(n_transitions / (PER_EXPERT * MEAN_LENGTH))))
+    n_episodes = n_units * PER_EXPERT
     lengths = rng.integers(1, 201, n_episodes)
     n = int(lengths.sum())
     work = path.parent / (path.name + ".parts")
@@ -74,14 +74,14 @@ def write_dataset(path: Path, n_transitions: float, seed: int = 0) -> dict:
     last = np.cumsum(lengths) - 1
     terminations[last] = lengths < 200
     truncations[last] = lengths == 200
-    meta = {"env_id": "CartPole-v1", "n_actions": 2, "n_experts": n_experts, "obs_shape": [4], "env_params": {},
+    meta = {"env_id": "CartPole-v1", "n_actions": 2, "n_units": n_units, "obs_shape": [4], "env_params": {},
             "p_min": 0.05, "seed": None, "expert_set": None, "extra": {}, "unit_column": None, "unit_keys": None}
     members = {
         "format_version": np.array(2, dtype=np.int64),
         "metadata": np.array(json.dumps(meta, sort_keys=True)),
         "observations": obs, "actions": actions, "rewards": rewards, "terminations": terminations,
         "truncations": truncations, "episode_lengths": lengths.astype(np.int64),
-        "expert_ids": np.repeat(np.arange(n_experts, dtype=np.int64), PER_EXPERT),
+        "unit_ids": np.repeat(np.arange(n_units, dtype=np.int64), PER_EXPERT),
         "start_steps": np.zeros(n_episodes, dtype=np.int64), "behavior_log_probs": log_probs,
     }
     try:
@@ -97,7 +97,7 @@ def write_dataset(path: Path, n_transitions: float, seed: int = 0) -> dict:
     for part in work.iterdir():
         part.unlink()
     work.rmdir()
-    return {"n_transitions": n, "n_episodes": n_episodes, "n_experts": n_experts, "raw_bytes": raw}
+    return {"n_transitions": n, "n_episodes": n_episodes, "n_units": n_units, "raw_bytes": raw}
 
 
 # ------------------------------------------------------------------------------------------ child processes
@@ -134,7 +134,7 @@ def child(kind: str, path: str, mmap: bool) -> dict:
         dataset = TrajectoryDataset.load(path, mmap=True) if mmap else TrajectoryDataset.load(path)
         out["load"] = time.perf_counter() - start
         start = time.perf_counter()
-        m = dataset.metadata.n_experts
+        m = dataset.metadata.n_units
         source = expert_source(dataset, min(BATCH, m / 2), ROWS_PER_EXPERT, Units.public({WHOLE: m}))
         out["source"] = time.perf_counter() - start
         generator = torch.Generator().manual_seed(0)
@@ -152,7 +152,7 @@ def child(kind: str, path: str, mmap: bool) -> dict:
         dataset.transitions()
         out["transitions"] = time.perf_counter() - start
         start = time.perf_counter()
-        dataset.expert_episode_index()
+        dataset.unit_episode_index()
         out["episode_index"] = time.perf_counter() - start
     out["peak_rss"] = _maxrss()
     return out
@@ -193,7 +193,7 @@ def bench_against_tree(path: Path, info: dict, rounds: int, tree: str) -> None:
                 f"{new['sample_ms']:.3f} ms")
         if old_views:
             line += (f"\n           transitions(): old {old_views['transitions'] / t0:.2f}x, new "
-                     f"{new_views['transitions'] / t0:.2f}x np.load | expert_episode_index(): old "
+                     f"{new_views['transitions'] / t0:.2f}x np.load | unit_episode_index(): old "
                      f"{old_views['episode_index'] * 1e3:.2f} ms, new {new_views['episode_index'] * 1e3:.2f} ms")
         print(line, flush=True)
         ratios.append((build(old), build(new), peak(old), peak(new)))
@@ -204,7 +204,7 @@ def bench_against_tree(path: Path, info: dict, rounds: int, tree: str) -> None:
 
 def bench_build(path: Path, info: dict, rounds: int, mmap: bool) -> None:
     raw = info["raw_bytes"]
-    print(f"\n{info['n_transitions']:.3g} transitions, {info['n_episodes']} episodes, {info['n_experts']} experts; "
+    print(f"\n{info['n_transitions']:.3g} transitions, {info['n_episodes']} episodes, {info['n_units']} experts; "
           f"raw arrays {raw / 2**20:.0f} MiB; file {path.stat().st_size / 2**20:.0f} MiB (times in s; x = / np.load)")
     rows = []
     for r in range(rounds):
@@ -221,7 +221,7 @@ def bench_build(path: Path, info: dict, rounds: int, mmap: bool) -> None:
                 f"{(train['held_rss'] - train['baseline_rss']) / raw:.2f}x | step {train['sample_ms']:.3f} ms")
         if views:
             line += (f"\n           transitions() {views['transitions']:.3f} ({views['transitions'] / t0:.2f}x) | "
-                     f"expert_episode_index() {views['episode_index'] * 1e3:.2f} ms")
+                     f"unit_episode_index() {views['episode_index'] * 1e3:.2f} ms")
         if mapped:
             line += (f"\n           mapped: load+validate {mapped['load']:.3f} ({mapped['load'] / t0:.2f}x) | "
                      f"expert source {mapped['source']:.4f} | own memory (RssAnon) held "

@@ -64,13 +64,13 @@ def make_experts(m: int, hidden: list[int], seed: int) -> ExpertSet:
 def metadata_only_dataset(experts: ExpertSet) -> TrajectoryDataset:
     """The fresh release reads only the logged data's public metadata; one placeholder episode carries it."""
     metadata = DatasetMetadata(
-        env_id="CartPole-v1", n_actions=N_ACTIONS, n_experts=experts.n_experts, obs_shape=(OBS_DIM,), p_min=P_MIN,
+        env_id="CartPole-v1", n_actions=N_ACTIONS, n_units=experts.n_experts, obs_shape=(OBS_DIM,), p_min=P_MIN,
         expert_set=experts.reference(), extra={"max_episode_steps": HORIZON},
     )
     return TrajectoryDataset(
         observations=np.zeros((2, OBS_DIM), dtype=np.float32), actions=np.zeros(1, dtype=np.int64),
         rewards=np.ones(1, dtype=np.float32), terminations=np.ones(1, dtype=bool), truncations=np.zeros(1, dtype=bool),
-        episode_lengths=np.ones(1, dtype=np.int64), expert_ids=np.zeros(1, dtype=np.int64), metadata=metadata,
+        episode_lengths=np.ones(1, dtype=np.int64), unit_ids=np.zeros(1, dtype=np.int64), metadata=metadata,
     )
 
 

@@ -21,17 +21,17 @@ def test_shapes_ids_metadata_and_logged_log_probs():
     experts = _lqr_set()
     data = collect(experts, "CartPole-v1", 3, 40, seed=5, progress=False)
     assert data.n_episodes == 12
-    np.testing.assert_array_equal(data.expert_ids, np.repeat(np.arange(4), 3))
+    np.testing.assert_array_equal(data.unit_ids, np.repeat(np.arange(4), 3))
     assert data.episode_lengths.max() <= 40 and data.n_transitions == data.episode_lengths.sum()
     assert data.observations.shape == (data.n_transitions + data.n_episodes, 4)
     meta = data.metadata
-    assert (meta.env_id, meta.n_actions, meta.n_experts, meta.p_min, meta.seed) == ("CartPole-v1", 2, 4, 0.2, 5)
+    assert (meta.env_id, meta.n_actions, meta.n_units, meta.p_min, meta.seed) == ("CartPole-v1", 2, 4, 0.2, 5)
     assert meta.expert_set["sha256"] == experts.fingerprint()
     assert meta.extra["trajectories_per_expert"] == 3
     # The logged behaviour log-probs are exactly the softened expert's log-prob of the taken action.
     t = data.transitions()
     recomputed = experts.log_prob_of(torch.as_tensor(t.obs), torch.as_tensor(t.actions))  # [m, N]
-    own = recomputed[torch.as_tensor(t.expert_ids), torch.arange(len(t.actions))]
+    own = recomputed[torch.as_tensor(t.unit_ids), torch.arange(len(t.actions))]
     np.testing.assert_allclose(t.behavior_log_probs, own.numpy(), rtol=1e-6)
     # Episodes that stop before 40 steps fell (terminated); the others were cut off at 40 (truncated; a pole that
     # falls on step 40 is both).
@@ -47,7 +47,7 @@ def test_logged_actions_follow_the_softened_policy():
     data = collect(experts, "CartPole-v1", 10, 60, seed=1, progress=False)
     t = data.transitions()
     best = experts.log_probs(torch.as_tensor(t.obs)).argmax(-1)  # [m, N]: each expert's preferred action
-    took_best = (best[torch.as_tensor(t.expert_ids), torch.arange(len(t.actions))].numpy() == t.actions)
+    took_best = (best[torch.as_tensor(t.unit_ids), torch.arange(len(t.actions))].numpy() == t.actions)
     # Given the visited states, each step takes the best action with probability exactly 1 - (n_A - 1) p_min = 0.8,
     # independently: the count is Binomial(N, 0.8); 4.5 sd keeps the false-alarm rate below 1e-5.
     n, p = len(took_best), 1 - p_min
@@ -64,7 +64,7 @@ def test_collection_is_deterministic_under_a_seed_and_chunking_keeps_ids():
         np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
     assert not np.array_equal(first.observations[:10], other.observations[:10])
     chunked = collect(experts, "CartPole-v1", 2, 30, seed=3, experts_per_chunk=2, progress=False)
-    np.testing.assert_array_equal(chunked.expert_ids, np.repeat(np.arange(5), 2))
+    np.testing.assert_array_equal(chunked.unit_ids, np.repeat(np.arange(5), 2))
     assert chunked.n_episodes == 10
 
 

@@ -34,12 +34,12 @@ from test_dataset import (
 )
 
 
-def _dataset(seed=0, n_experts=9, n_episodes=40, max_len=4, obs_shape=(3,)):
+def _dataset(seed=0, n_units=9, n_episodes=40, max_len=4, obs_shape=(3,)):
     """Episodes of length 1..max_len from a pool where some experts log nothing (empty units)."""
     rng = np.random.default_rng(seed)
-    episodes = make_episodes(rng, n_episodes=n_episodes, obs_shape=obs_shape, n_experts=n_experts - 2,
+    episodes = make_episodes(rng, n_episodes=n_episodes, obs_shape=obs_shape, n_units=n_units - 2,
                              max_len=max_len)
-    meta = DatasetMetadata(env_id="Test-v0", n_actions=3, n_experts=n_experts, obs_shape=obs_shape)
+    meta = DatasetMetadata(env_id="Test-v0", n_actions=3, n_units=n_units, obs_shape=obs_shape)
     return TrajectoryDataset.from_episodes(episodes, meta)
 
 
@@ -69,9 +69,9 @@ def test_stable_group_order_is_a_stable_argsort(n_groups, arrangement):
 
 def test_expert_episode_index_matches_a_stable_argsort():
     dataset = _dataset(seed=1)
-    order, offsets = dataset.expert_episode_index()
-    np.testing.assert_array_equal(order, np.argsort(dataset.expert_ids, kind="stable"))
-    np.testing.assert_array_equal(np.diff(offsets), np.bincount(dataset.expert_ids, minlength=9))
+    order, offsets = dataset.unit_episode_index()
+    np.testing.assert_array_equal(order, np.argsort(dataset.unit_ids, kind="stable"))
+    np.testing.assert_array_equal(np.diff(offsets), np.bincount(dataset.unit_ids, minlength=9))
     assert offsets[-1] == dataset.n_episodes and (np.diff(offsets) == 0).any()  # an empty expert
 
 
@@ -105,8 +105,8 @@ def _copying_source(dataset, batch_size, rows_per_unit):
     """The expert source as it was built before shared columns: every column copied by ``transitions()`` and a
     per-transition expert id (reference)."""
     t = dataset.transitions().to_torch()
-    m = dataset.metadata.n_experts
-    return PoissonUnitSource({k: t[k] for k in CQL_KEYS}, t["expert_ids"], m, batch_size / m, rows_per_unit,
+    m = dataset.metadata.n_units
+    return PoissonUnitSource({k: t[k] for k in CQL_KEYS}, t["unit_ids"], m, batch_size / m, rows_per_unit,
                              unit=dataset_unit(dataset))
 
 
@@ -115,7 +115,7 @@ def _copying_source(dataset, batch_size, rows_per_unit):
 def test_expert_source_batches_equal_the_copying_path(rows_per_unit, sort_by_expert):
     dataset = _dataset(seed=2 + rows_per_unit)
     if sort_by_expert:
-        dataset = dataset.subset(np.argsort(dataset.expert_ids, kind="stable"))
+        dataset = dataset.subset(np.argsort(dataset.unit_ids, kind="stable"))
     shared, copied = expert_source(dataset, 4.0, rows_per_unit, NINE), _copying_source(dataset, 4.0, rows_per_unit)
     assert torch.equal(shared.index.counts, copied.index.counts)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
@@ -186,7 +186,7 @@ def test_mapped_load_equals_read_load_and_trains_the_same(tmp_path, seed):
     assert_same_dataset(mapped, dataset)
     assert_same_dataset(read, dataset)
     assert mapped.fingerprint() == read.fingerprint() == dataset.fingerprint()
-    for name in ("observations", "actions", "rewards", "terminations", "behavior_log_probs", "expert_ids"):
+    for name in ("observations", "actions", "rewards", "terminations", "behavior_log_probs", "unit_ids"):
         assert _is_mapped(getattr(mapped, name)), name
         assert not _is_mapped(getattr(read, name)), name
         assert not getattr(mapped, name).flags.writeable

@@ -18,7 +18,7 @@ from dporl.data.dataset import write_npz_members
 from dporl.utils.validation import ValidationError
 
 
-def make_episodes(rng, n_episodes=7, obs_shape=(3,), n_actions=3, n_experts=4, log_probs=True, max_len=6):
+def make_episodes(rng, n_episodes=7, obs_shape=(3,), n_actions=3, n_units=4, log_probs=True, max_len=6):
     episodes = []
     for _ in range(n_episodes):
         length = int(rng.integers(1, max_len + 1))
@@ -29,7 +29,7 @@ def make_episodes(rng, n_episodes=7, obs_shape=(3,), n_actions=3, n_experts=4, l
             "rewards": rng.normal(size=length).astype(np.float32),
             "terminated": terminated,
             "truncated": not terminated or bool(rng.integers(0, 2)),
-            "expert_id": int(rng.integers(0, n_experts)),
+            "expert_id": int(rng.integers(0, n_units)),
         }
         if log_probs:
             episode["behavior_log_probs"] = -rng.exponential(size=length).astype(np.float32)
@@ -37,19 +37,19 @@ def make_episodes(rng, n_episodes=7, obs_shape=(3,), n_actions=3, n_experts=4, l
     return episodes
 
 
-def make_metadata(obs_shape=(3,), n_actions=3, n_experts=4, **kw):
-    return DatasetMetadata(env_id="Test-v0", n_actions=n_actions, n_experts=n_experts, obs_shape=obs_shape, **kw)
+def make_metadata(obs_shape=(3,), n_actions=3, n_units=4, **kw):
+    return DatasetMetadata(env_id="Test-v0", n_actions=n_actions, n_units=n_units, obs_shape=obs_shape, **kw)
 
 
 def make_dataset(seed=0, log_probs=True, **kw):
     rng = np.random.default_rng(seed)
-    shape_kw = {k: kw.pop(k) for k in ("obs_shape", "n_actions", "n_experts") if k in kw}
+    shape_kw = {k: kw.pop(k) for k in ("obs_shape", "n_actions", "n_units") if k in kw}
     episodes = make_episodes(rng, log_probs=log_probs, **shape_kw, **kw)
     return TrajectoryDataset.from_episodes(episodes, make_metadata(**shape_kw)), episodes
 
 
 def arrays_of(dataset):
-    names = ["observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+    names = ["observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids",
              "start_steps", "behavior_log_probs"]
     return {n: getattr(dataset, n) for n in names}
 
@@ -83,7 +83,7 @@ def test_from_episodes_round_trips_every_episode():
 def test_stored_arrays_are_read_only_and_views_are_copies():
     dataset, _ = make_dataset(seed=22)
     with pytest.raises(ValueError):
-        dataset.expert_ids[0] = 3  # would bypass the range check
+        dataset.unit_ids[0] = 3  # would bypass the range check
     transitions = dataset.transitions()
     transitions.actions[0] = 1 - transitions.actions[0]  # views handed out are the caller's to modify...
     transitions.obs[0] += 1.0
@@ -129,7 +129,7 @@ def test_empty_dataset_is_valid_and_views_are_empty(tmp_path):
     assert dataset.observations.shape == (0, 3)
     assert len(dataset.transitions()) == 0
     assert dataset.padded().observations.shape == (0, 1, 3)
-    order, offsets = dataset.expert_episode_index()
+    order, offsets = dataset.unit_episode_index()
     assert len(order) == 0 and offsets.tolist() == [0] * 5
     assert dataset.summary()["episode_return"]["mean"] is None
     assert_same_dataset(TrajectoryDataset.load(dataset.save(tmp_path / "e.npz")), dataset)
@@ -140,7 +140,7 @@ def test_empty_dataset_is_valid_and_views_are_empty(tmp_path):
 @pytest.mark.parametrize("obs_shape", [(3,), (2, 2)])
 def test_transitions_match_per_episode_loop(log_probs, obs_shape):
     dataset, episodes = make_dataset(seed=4, log_probs=log_probs, obs_shape=obs_shape)
-    rows = {k: [] for k in ("obs", "actions", "rewards", "next_obs", "terminated", "truncated", "expert_ids",
+    rows = {k: [] for k in ("obs", "actions", "rewards", "next_obs", "terminated", "truncated", "unit_ids",
                             "episode_ids", "timesteps", "behavior_log_probs")}
     for e, ep in enumerate(episodes):
         length = len(ep["actions"])
@@ -151,7 +151,7 @@ def test_transitions_match_per_episode_loop(log_probs, obs_shape):
             rows["rewards"].append(ep["rewards"][t])
             rows["terminated"].append(ep["terminated"] and t == length - 1)
             rows["truncated"].append(ep["truncated"] and t == length - 1)
-            rows["expert_ids"].append(ep["expert_id"])
+            rows["unit_ids"].append(ep["expert_id"])
             rows["episode_ids"].append(e)
             rows["timesteps"].append(t)
             if log_probs:
@@ -170,8 +170,8 @@ def test_transitions_match_per_episode_loop(log_probs, obs_shape):
 
 
 def test_expert_episode_index_groups_episodes_in_order():
-    dataset, episodes = make_dataset(seed=5, n_episodes=20, n_experts=6)
-    order, offsets = dataset.expert_episode_index()
+    dataset, episodes = make_dataset(seed=5, n_episodes=20, n_units=6)
+    order, offsets = dataset.unit_episode_index()
     assert offsets.shape == (7,) and offsets[0] == 0 and offsets[-1] == 20
     for expert in range(6):
         expected = [i for i, ep in enumerate(episodes) if ep["expert_id"] == expert]
@@ -187,7 +187,7 @@ def test_padded_matches_per_episode_loop(log_probs):
     assert padded.actions.shape == (4, width) and padded.observations.shape == (4, width + 1, 3)
     for row, i in enumerate(selection):
         ep, length = episodes[i], len(episodes[i]["actions"])
-        assert padded.lengths[row] == length and padded.expert_ids[row] == ep["expert_id"]
+        assert padded.lengths[row] == length and padded.unit_ids[row] == ep["expert_id"]
         assert bool(padded.terminated[row]) == ep["terminated"] and bool(padded.truncated[row]) == ep["truncated"]
         np.testing.assert_array_equal(padded.observations[row, : length + 1].numpy(), ep["observations"])
         np.testing.assert_array_equal(padded.actions[row, :length].numpy(), ep["actions"])
@@ -205,7 +205,7 @@ def test_padded_matches_per_episode_loop(log_probs):
 
 
 def test_episode_returns_and_summary_match_loops():
-    dataset, episodes = make_dataset(seed=7, n_episodes=12, n_experts=5, n_actions=4)
+    dataset, episodes = make_dataset(seed=7, n_episodes=12, n_units=5, n_actions=4)
     returns = np.array([np.sum(ep["rewards"], dtype=np.float64) for ep in episodes])
     np.testing.assert_allclose(dataset.episode_returns(), returns, rtol=1e-6)
     summary = dataset.summary()
@@ -289,7 +289,7 @@ def test_concatenate_refuses_mixed_metadata_and_log_probs():
     with pytest.raises(ValidationError) as info:
         TrajectoryDataset.concatenate([a, b])
     assert info.value.field == "datasets[1].behavior_log_probs"
-    other_meta = a.with_identities_removed(make_metadata(n_experts=5))
+    other_meta = a.with_identities_removed(make_metadata(n_units=5))
     other_meta = TrajectoryDataset.concatenate([other_meta])  # a one-element list is itself
     with pytest.raises(ValidationError) as info:
         TrajectoryDataset.concatenate([b, other_meta])
@@ -300,8 +300,8 @@ def test_concatenate_refuses_mixed_metadata_and_log_probs():
 
 def test_with_identities_removed_drops_ids_and_log_probs():
     dataset, _ = make_dataset(seed=13)
-    public = dataset.with_identities_removed(make_metadata(n_experts=1, extra={"released_by": "test"}))
-    assert public.expert_ids.tolist() == [0] * dataset.n_episodes and public.behavior_log_probs is None
+    public = dataset.with_identities_removed(make_metadata(n_units=1, extra={"released_by": "test"}))
+    assert public.unit_ids.tolist() == [0] * dataset.n_episodes and public.behavior_log_probs is None
     np.testing.assert_array_equal(public.observations, dataset.observations)
     assert public.metadata.extra == {"released_by": "test"}
 
@@ -357,9 +357,9 @@ MALFORMED = [
     ("episode_lengths", _set("episode_lengths", 0, 0)),
     ("actions", _set("episode_lengths", 0, 99)),  # lengths no longer sum to the transition count
     ("episode_lengths", _replace("episode_lengths", lambda kw: kw["episode_lengths"][:, None])),
-    ("expert_ids", _set("expert_ids", 2, 4)),
-    ("expert_ids", _set("expert_ids", 2, -3)),
-    ("expert_ids", _replace("expert_ids", lambda kw: kw["expert_ids"][:-1])),
+    ("unit_ids", _set("unit_ids", 2, 4)),
+    ("unit_ids", _set("unit_ids", 2, -3)),
+    ("unit_ids", _replace("unit_ids", lambda kw: kw["unit_ids"][:-1])),
     ("start_steps", _set("start_steps", 1, -1)),
     ("behavior_log_probs", _set("behavior_log_probs", 3, 0.5)),
     ("behavior_log_probs", _set("behavior_log_probs", 3, np.nan)),
@@ -384,7 +384,7 @@ def test_malformed_arrays_name_the_field(field, mutate):
         ({"env_id": ""}, "metadata.env_id"),
         ({"n_actions": 0}, "metadata.n_actions"),
         ({"n_actions": True}, "metadata.n_actions"),
-        ({"n_experts": 2.5}, "metadata.n_experts"),
+        ({"n_units": 2.5}, "metadata.n_units"),
         ({"obs_shape": (3, 0)}, "metadata.obs_shape"),
         ({"obs_shape": "3"}, "metadata.obs_shape"),
         ({"p_min": 0.0}, "metadata.p_min"),
@@ -399,7 +399,7 @@ def test_malformed_arrays_name_the_field(field, mutate):
     ],
 )
 def test_bad_metadata_names_the_field(overrides, field):
-    base = {"env_id": "Test-v0", "n_actions": 3, "n_experts": 4, "obs_shape": (3,)}
+    base = {"env_id": "Test-v0", "n_actions": 3, "n_units": 4, "obs_shape": (3,)}
     with pytest.raises(ValidationError) as info:
         DatasetMetadata(**{**base, **overrides})
     assert info.value.field == field
@@ -490,7 +490,7 @@ BAD_FILES = [
                                                            np.nan, m["observations"]).astype(np.float32))),
     ("actions", _edit(actions=lambda m: m["actions"].astype(np.int32))),
     ("actions", _edit(actions=lambda m: m["actions"] + 3)),
-    ("expert_ids", _edit(expert_ids=lambda m: m["expert_ids"] + 4)),
+    ("unit_ids", _edit(unit_ids=lambda m: m["unit_ids"] + 4)),
     ("terminations", _edit(terminations=lambda m: np.zeros_like(m["terminations"]),
                            truncations=lambda m: np.zeros_like(m["truncations"]))),
     ("episode_lengths", _edit(episode_lengths=None)),
@@ -566,9 +566,9 @@ def random_datasets(draw):
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     obs_shape = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
-    n_actions, n_experts = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    n_actions, n_units = draw(st.integers(1, 5)), draw(st.integers(1, 6))
     episodes = make_episodes(
-        rng, n_episodes=draw(st.integers(0, 6)), obs_shape=obs_shape, n_actions=n_actions, n_experts=n_experts,
+        rng, n_episodes=draw(st.integers(0, 6)), obs_shape=obs_shape, n_actions=n_actions, n_units=n_units,
         log_probs=draw(st.booleans()), max_len=draw(st.integers(1, 7)),
     )
     for episode in episodes:
@@ -576,7 +576,7 @@ def random_datasets(draw):
     p_min = draw(st.none() | st.floats(1e-6, 1.0).map(lambda x: x / n_actions))
     meta = DatasetMetadata(
         env_id=draw(st.text(min_size=1, max_size=8).filter(lambda s: ":" not in s)),  # an id never names a module
-        n_actions=n_actions, n_experts=n_experts, obs_shape=obs_shape,
+        n_actions=n_actions, n_units=n_units, obs_shape=obs_shape,
         p_min=p_min, seed=draw(st.none() | st.integers(-(2**40), 2**40)),
         env_params=draw(st.dictionaries(st.text(max_size=5), st.floats(allow_nan=False, allow_infinity=False),
                                         max_size=3)),
@@ -622,7 +622,7 @@ def test_property_corrupt_files_raise_validation_error_only(tmp_path, dataset, e
 
 
 _ARCHIVE_MEMBERS = ["format_version", "metadata", "observations", "actions", "rewards", "terminations",
-                    "truncations", "episode_lengths", "expert_ids", "start_steps", "behavior_log_probs"]
+                    "truncations", "episode_lengths", "unit_ids", "start_steps", "behavior_log_probs"]
 _MEMBER_VALUES = st.one_of(
     st.integers(-3, 10).map(lambda v: np.array(v)),
     st.lists(st.integers(-(2**40), 2**40), max_size=6).map(lambda v: np.array(v, dtype=np.int64)),

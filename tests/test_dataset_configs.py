@@ -50,7 +50,7 @@ def test_dataset_config_runs_at_tiny_scale(name, tmp_path):
     generation = config["experts"]
     # The paper's selection as the config states it: the best keep_best of each setting's candidates.
     assert experts.n_experts == 2 * generation["keep_best"]
-    assert data.metadata.n_experts == experts.n_experts and data.n_episodes == 2 * experts.n_experts
+    assert data.metadata.n_units == experts.n_experts and data.n_episodes == 2 * experts.n_experts
     assert data.episode_lengths.max() <= 10 and data.metadata.env_id == generation["env_id"]
     assert experts.p_min == config["p_min"]
     assert experts.info["generation"]["family"] == generation["family"]

@@ -60,7 +60,7 @@ def config(logged, tmp_path, **overrides) -> TrainPipelineConfig:
 
 def with_metadata(data: TrajectoryDataset, **changes) -> TrajectoryDataset:
     return TrajectoryDataset(**{k: getattr(data, k) for k in (
-        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids",
         "behavior_log_probs")}, metadata=dataclasses.replace(data.metadata, **changes))
 
 

@@ -31,10 +31,10 @@ def minari_root(tmp_path, monkeypatch):
 
 def _with_rich_metadata(dataset):
     meta = DatasetMetadata(
-        "CartPole-v1", dataset.metadata.n_actions, dataset.metadata.n_experts, dataset.metadata.obs_shape,
+        "CartPole-v1", dataset.metadata.n_actions, dataset.metadata.n_units, dataset.metadata.obs_shape,
         env_params={"gravity": 9.5}, p_min=0.05, seed=3, expert_set={"family": "analytic", "sha256": "00ff"},
     )
-    names = ["observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+    names = ["observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids",
              "start_steps", "behavior_log_probs"]
     return TrajectoryDataset(metadata=meta, **{n: getattr(dataset, n) for n in names})
 
@@ -132,17 +132,17 @@ def test_import_foreign_dataset_with_info_key_or_mapping():
     _foreign_dataset("foreign-v0", episodes)
     imported = import_minari("foreign-v0", expert_id_key="agent")
     assert imported.metadata.n_actions == 4 and imported.metadata.obs_shape == (2,)
-    assert imported.metadata.n_experts == 2 and imported.metadata.env_id == "foreign-v0"
+    assert imported.metadata.n_units == 2 and imported.metadata.env_id == "foreign-v0"
     assert imported.metadata.extra["minari_dataset_id"] == "foreign-v0"
-    assert imported.expert_ids.tolist() == [0, 1, 0, 1] and imported.behavior_log_probs is None
+    assert imported.unit_ids.tolist() == [0, 1, 0, 1] and imported.behavior_log_probs is None
     for i, episode in enumerate(episodes):
         got = imported.episode(i)
         np.testing.assert_array_equal(got["observations"], episode["observations"].astype(np.float32))
         np.testing.assert_array_equal(got["actions"], episode["actions"])
         np.testing.assert_allclose(got["rewards"], episode["rewards"], rtol=1e-6)
         assert got["terminated"] and not got["truncated"]
-    by_map = import_minari("foreign-v0", expert_id_key={0: 5, 1: 5, 2: 0, 3: 1}, n_experts=8)
-    assert by_map.expert_ids.tolist() == [5, 5, 0, 1] and by_map.metadata.n_experts == 8
+    by_map = import_minari("foreign-v0", expert_id_key={0: 5, 1: 5, 2: 0, 3: 1}, n_units=8)
+    assert by_map.unit_ids.tolist() == [5, 5, 0, 1] and by_map.metadata.n_units == 8
     meta = DatasetMetadata("Custom-v0", 4, 3, (2,), p_min=0.1)
     assert import_minari("foreign-v0", expert_id_key="agent", metadata=meta).metadata == meta
 
@@ -153,8 +153,8 @@ def test_import_foreign_dataset_with_info_key_or_mapping():
         ({"expert_id_key": "missing_key"}, "infos.missing_key"),
         ({"expert_id_key": {0: 0, 1: 0}}, "expert_id_key"),  # episodes 2 and 3 unmapped
         ({"expert_id_key": ["not", "a", "mapping"]}, "expert_id_key"),
-        ({"expert_id_key": "agent", "n_experts": 1}, "expert_ids"),  # id 1 out of range
-        ({"expert_id_key": {0: 0, 1: 0, 2: 0, 3: -1}}, "expert_ids"),
+        ({"expert_id_key": "agent", "n_units": 1}, "unit_ids"),  # id 1 out of range
+        ({"expert_id_key": {0: 0, 1: 0, 2: 0, 3: -1}}, "unit_ids"),
     ],
 )
 def test_import_rejects_bad_expert_ids(kwargs, field):

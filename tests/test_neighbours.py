@@ -328,7 +328,7 @@ def test_dp_importance_sampling_flags_do_not_depend_on_one_unit(tmp_path):
     # the canary's weight is positive and its removal moves the estimate).
     observations[: int(dataset.episode_lengths[0]) + 1] = 0.5
     dataset = dataset.replace(observations=observations)
-    canary = int(dataset.expert_ids[0])
+    canary = int(dataset.unit_ids[0])
     d = snapshot_of(_importance_sampling(dataset, SEED))
     dp = snapshot_of(_importance_sampling(without_unit(dataset, canary), SEED))
     differences = compare(d, dp)
@@ -465,11 +465,11 @@ def test_neighbour_datasets_differ_by_exactly_one_unit(expert_data):
     data = TrajectoryDataset.load(expert_data["path"])
     smaller = without_unit(data, 7)
     assert smaller.n_units == data.n_units - 1 and smaller.n_episodes == data.n_episodes - 1
-    kept = data.subset(np.flatnonzero(data.expert_ids != 7))
+    kept = data.subset(np.flatnonzero(data.unit_ids != 7))
     assert np.array_equal(smaller.observations, kept.observations)
-    assert np.array_equal(smaller.expert_ids, np.where(kept.expert_ids > 7, kept.expert_ids - 1, kept.expert_ids))
+    assert np.array_equal(smaller.unit_ids, np.where(kept.unit_ids > 7, kept.unit_ids - 1, kept.unit_ids))
     replaced = replace_unit(data, 7, 8)
-    assert replaced.n_units == data.n_units and np.array_equal(replaced.expert_ids[-1:], [7])
+    assert replaced.n_units == data.n_units and np.array_equal(replaced.unit_ids[-1:], [7])
     changed = with_reward_changed(data, 3, 1.0)
     assert np.flatnonzero(changed.rewards != data.rewards).tolist() == [3]
     assert changed.rewards[3] == data.rewards[3] + 1

@@ -176,7 +176,7 @@ def _chain_data(states: list[int], seed: int) -> TrajectoryDataset:
     return TrajectoryDataset.from_padded(
         observations=obs, actions=actions, rewards=rng.uniform(0, 1, (n, 1)), mask=np.ones((n, 1), bool),
         terminated=np.ones(n, bool), behavior_log_probs=np.full((n, 1), np.log(0.5)),
-        expert_ids=np.arange(n) // 3, metadata=DatasetMetadata("test", 2, 200, (3,)))
+        unit_ids=np.arange(n) // 3, metadata=DatasetMetadata("test", 2, 200, (3,)))
 
 
 @pytest.mark.parametrize("declared", [False, True])

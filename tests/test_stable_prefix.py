@@ -65,7 +65,7 @@ def make_dataset(experts: ExpertSet, per_expert: int, length: int, seed: int = 0
                 }
             )
     meta = DatasetMetadata(
-        env_id="test", n_actions=N_ACTIONS, n_experts=experts.n_experts, obs_shape=(OBS_DIM,), p_min=p_min,
+        env_id="test", n_actions=N_ACTIONS, n_units=experts.n_experts, obs_shape=(OBS_DIM,), p_min=p_min,
         expert_set=experts.reference(),
     )
     return TrajectoryDataset.from_episodes(episodes, meta)
@@ -164,7 +164,7 @@ def test_fresh_release_never_reads_the_logged_records(cartpole):
     observation row of either appears in it (states come from fresh simulator resets, seeded secretly)."""
     experts, data, other = cartpole
     other = TrajectoryDataset(**{k: getattr(other, k) for k in (
-        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids")},
+        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids")},
         metadata=data.metadata)
     first = release(data, experts, trajectories=5, seed=11).stable
     second = release(other, experts, trajectories=5, seed=11).stable
@@ -255,7 +255,7 @@ def test_stable_data_carry_no_expert_identity(cartpole):
     experts, data, _ = cartpole
     out = release(data, experts, trajectories=10, seed=1)
     assert out.stable.n_episodes > 0
-    assert np.all(out.stable.expert_ids == 0) and out.stable.metadata.n_experts == 1
+    assert np.all(out.stable.unit_ids == 0) and out.stable.metadata.n_units == 1
     assert out.stable.behavior_log_probs is None
     assert out.stable.metadata.expert_set is None and out.stable.metadata.p_min is None
     assert "sha256" not in str(out.stable.metadata.to_dict())
@@ -348,7 +348,7 @@ def refused(data, experts, field, **kwargs):
 def with_metadata(data: TrajectoryDataset, **changes) -> TrajectoryDataset:
     meta = dataclasses.replace(data.metadata, **changes)
     return TrajectoryDataset(**{k: getattr(data, k) for k in (
-        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "expert_ids",
+        "observations", "actions", "rewards", "terminations", "truncations", "episode_lengths", "unit_ids",
         "behavior_log_probs")}, metadata=meta)
 
 

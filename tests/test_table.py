@@ -49,15 +49,15 @@ def test_round_trip_through_a_table_keeps_every_transition(tmp_path):
                       truncated="truncated", next_observations="next_obs_", propensity="log_propensity",
                       propensity_kind="log_prob")
     # Units are re-keyed by the table's values; everything else is the same data (terminal next states: zeros).
-    assert back.metadata.unit_column == "unit" and back.n_units == len(np.unique(dataset.expert_ids))
+    assert back.metadata.unit_column == "unit" and back.n_units == len(np.unique(dataset.unit_ids))
     ours, theirs = back.transitions(), dataset.transitions()
     for name in ("obs", "actions", "rewards", "terminated", "truncated", "timesteps", "behavior_log_probs"):
         np.testing.assert_allclose(getattr(ours, name), getattr(theirs, name), rtol=1e-6)
     live = ~theirs.terminated
     np.testing.assert_array_equal(ours.next_obs[live], theirs.next_obs[live])
     assert np.all(ours.next_obs[theirs.terminated] == 0)  # placeholder, never the source's value
-    keys = np.asarray(back.metadata.unit_keys)[back.expert_ids]
-    np.testing.assert_array_equal(keys, np.asarray([str(i) for i in dataset.expert_ids]))
+    keys = np.asarray(back.metadata.unit_keys)[back.unit_ids]
+    np.testing.assert_array_equal(keys, np.asarray([str(i) for i in dataset.unit_ids]))
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet", "frame"])
@@ -164,7 +164,7 @@ def test_an_episode_with_an_action_outside_the_declared_set_is_dropped_whole_nev
     without_b = read_table(frame[frame["u"] == "a"], episode="ep", unit="u", observations="x", action="a",
                            actions=2, reward="r")
     assert without_b.fingerprint() != dataset.fingerprint()  # the import summary's counts differ (curator-only) ...
-    for name in ("observations", "actions", "rewards", "episode_lengths", "expert_ids"):  # ... the data do not
+    for name in ("observations", "actions", "rewards", "episode_lengths", "unit_ids"):  # ... the data do not
         np.testing.assert_array_equal(getattr(without_b, name), getattr(dataset, name))
 
 
@@ -198,7 +198,7 @@ def test_read_minari_records_the_unit(tmp_path, monkeypatch):
     export_minari(dataset, "units-v0", progress=False)
     back = read_minari("units-v0", unit="expert_id", progress=False)
     assert dataset_unit(back) == grouped_by("expert_id")
-    np.testing.assert_array_equal(np.asarray(back.metadata.unit_keys, dtype=int)[back.expert_ids], dataset.expert_ids)
+    np.testing.assert_array_equal(np.asarray(back.metadata.unit_keys, dtype=int)[back.unit_ids], dataset.unit_ids)
     assert with_unit(dataset, "expert_id").metadata.unit_keys == back.metadata.unit_keys
 
 

@@ -56,7 +56,7 @@ def expert_source(
                               "batch_size")
     columns, experts = transition_columns(dataset, keys)
     return PoissonUnitSource(
-        columns, experts, dataset.metadata.n_experts, batch_size / m, rows_per_unit, unit=dataset_unit(dataset),
+        columns, experts, dataset.metadata.n_units, batch_size / m, rows_per_unit, unit=dataset_unit(dataset),
         expected_batch=batch_size,
     )
 

@@ -83,7 +83,7 @@ def train_audits(
     train_data, plan = dataset, None
     if dataset is not None:  # the budgets and training cell the run would use (units held out for evaluation)
         budgets, train_data, plan = training_plan(config, dataset)
-    m = n_experts if n_experts is not None else (train_data.metadata.n_experts if train_data is not None else None)
+    m = n_experts if n_experts is not None else (train_data.metadata.n_units if train_data is not None else None)
     p_min = p_min if p_min is not None else (dataset.metadata.p_min if dataset is not None else None)
     if m is None:
         raise ValidationError("n_experts", "the config's data are not on disk (generated data: run train.py first): "

@@ -80,7 +80,7 @@ def _other_units(n_units: int, dim: int, clip: float) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12) * norms.unsqueeze(1)
 
 
-def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_unit: int, with_canary: bool, copies: int = 1):
+def canary_dataset(n_units: int, dim: int, clip: float, rows_per_unit: int, with_canary: bool, copies: int = 1):
     """The fixed expert-level dataset D (``with_canary``) or D', ``copies`` times (one per trial).
 
     In every copy, expert 0 is the canary, whose every observation is 100 C e1; expert i > 0 logs one episode of
@@ -89,22 +89,22 @@ def canary_dataset(n_experts: int, dim: int, clip: float, rows_per_unit: int, wi
     """
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
-    vectors = torch.cat([torch.zeros(1, dim), _other_units(n_experts - 1, dim, clip)])
+    vectors = torch.cat([torch.zeros(1, dim), _other_units(n_units - 1, dim, clip)])
     vectors[0, 0] = CANARY_NORM * clip  # loss -w . obs: the canary's gradient is -100 C e1
-    members = np.arange(0 if with_canary else 1, n_experts)
+    members = np.arange(0 if with_canary else 1, n_units)
     length, n = rows_per_unit, copies * len(members)
     per_copy = vectors[members].repeat_interleave(length + 1, dim=0).numpy()
     copy_index = np.repeat(np.arange(copies, dtype=np.float32), len(per_copy))[:, None]
     observations = np.concatenate([np.tile(per_copy, (copies, 1)), copy_index], axis=1)
     terminations = np.zeros(n * length, dtype=bool)
     terminations[length - 1 :: length] = True
-    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_experts=copies * n_experts,
+    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_units=copies * n_units,
                                obs_shape=(dim + 1,))
     return TrajectoryDataset(
         observations=observations, actions=np.zeros(n * length, dtype=np.int64),
         rewards=np.zeros(n * length, dtype=np.float32), terminations=terminations,
         truncations=np.zeros(n * length, dtype=bool), episode_lengths=np.full(n, length, dtype=np.int64),
-        expert_ids=(np.arange(copies)[:, None] * n_experts + members[None, :]).ravel(), metadata=metadata,
+        unit_ids=(np.arange(copies)[:, None] * n_units + members[None, :]).ravel(), metadata=metadata,
     )
 
 
@@ -112,26 +112,26 @@ def _public_stable(dim: int):
     """A public D_stable for the mixture's noiseless branch (its content does not matter: that branch is visible)."""
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
-    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_experts=1, obs_shape=(dim + 1,))
+    metadata = DatasetMetadata(env_id="audit/fixed-vectors", n_actions=2, n_units=1, obs_shape=(dim + 1,))
     return TrajectoryDataset(
         observations=np.zeros((2, dim + 1), dtype=np.float32), actions=np.zeros(1, dtype=np.int64),
         rewards=np.zeros(1, dtype=np.float32), terminations=np.ones(1, dtype=bool),
         truncations=np.zeros(1, dtype=bool), episode_lengths=np.ones(1, dtype=np.int64),
-        expert_ids=np.zeros(1, dtype=np.int64), metadata=metadata,
+        unit_ids=np.zeros(1, dtype=np.int64), metadata=metadata,
     )
 
 
-def expert_level_source(method: str, *, n_experts: int, dim: int, clip: float, rows_per_unit: int,
+def expert_level_source(method: str, *, n_units: int, dim: int, clip: float, rows_per_unit: int,
                         sample_rate: float, with_canary: bool, copies: int = 1, private_probability: float = 1.0):
     """The source the train pipeline trains ``method`` with (its ``source``), on ``copies`` copies of D or D'."""
     from dporl.methods.unit_level import unit_level_method
     from dporl.privacy.count import WHOLE, Units
 
-    data = canary_dataset(n_experts, dim, clip, rows_per_unit, with_canary, copies)
+    data = canary_dataset(n_units, dim, clip, rows_per_unit, with_canary, copies)
     stable = _public_stable(dim) if method == "mixed" else None
     # Both neighbours sample at the attacked rate: the population is the audit's public parameter, not D's size.
     return unit_level_method(method).source(
-        data, stable, batch_size=sample_rate * n_experts * copies, units=Units.public({WHOLE: n_experts * copies}),
+        data, stable, batch_size=sample_rate * n_units * copies, units=Units.public({WHOLE: n_units * copies}),
         rows_per_unit=rows_per_unit, p_dp=private_probability, keys=IndependentSteps.batch_keys)
 
 
@@ -177,7 +177,7 @@ def dpsgd_step_audit(
     if not isinstance(steps, int) or steps < 1:
         raise ValidationError("steps", f"must be an integer >= 1, got {steps!r}")
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
+    common = {"n_units": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
               "sample_rate": q}
     event = expert_level_source("dp_sgd", with_canary=True, **common).step_event(sigma)
 
@@ -227,7 +227,7 @@ def mixture_audit(
     sigma = check_positive("noise_multiplier", noise_multiplier)
     q = check_probability("sample_rate", sample_rate, allow_zero=False)
     used_sigma = sigma * check_positive("noise_factor", noise_factor)
-    common = {"n_experts": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
+    common = {"n_units": n_units, "dim": dim, "clip": max_grad_norm, "rows_per_unit": rows_per_unit,
               "sample_rate": q, "private_probability": p}
     mixture = expert_level_source("mixed", with_canary=True, **common)
     event = mixture.step_event(sigma)

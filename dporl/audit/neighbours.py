@@ -34,12 +34,12 @@ def without_unit(dataset: TrajectoryDataset, unit: int, experts: Optional[Any] =
     """D minus unit ``unit`` (its episodes, its key; ``experts``: the expert set of D' for the metadata's reference)."""
     unit = _check_unit(dataset, unit)
     meta = dataset.metadata
-    subset = dataset.subset(np.flatnonzero(dataset.expert_ids != unit))
+    subset = dataset.subset(np.flatnonzero(dataset.unit_ids != unit))
     keys = None if meta.unit_keys is None else tuple(k for i, k in enumerate(meta.unit_keys) if i != unit)
-    changes: dict[str, Any] = {"n_experts": meta.n_experts - 1, "unit_keys": keys}
+    changes: dict[str, Any] = {"n_experts": meta.n_units - 1, "unit_keys": keys}
     if experts is not None:
         changes["expert_set"] = experts.reference()
-    return subset.replace(expert_ids=subset.expert_ids - (subset.expert_ids > unit),
+    return subset.replace(unit_ids=subset.unit_ids - (subset.unit_ids > unit),
                           metadata=dataclasses.replace(meta, **changes))
 
 
@@ -58,13 +58,13 @@ def replace_unit(dataset: TrajectoryDataset, unit: int, donor: int) -> Trajector
     unit, donor = _check_unit(dataset, unit), _check_unit(dataset, donor)
     if unit == donor:
         raise ValidationError("donor", "the donor must be another unit")
-    ids = dataset.expert_ids
+    ids = dataset.unit_ids
     kept = np.flatnonzero(ids != unit)
     copied = np.flatnonzero(ids == donor)
     order = np.concatenate([kept, copied])
     new_ids = np.concatenate([ids[kept], np.full(len(copied), unit, dtype=ids.dtype)])
     subset = dataset.subset(order)
-    return subset.replace(expert_ids=new_ids)
+    return subset.replace(unit_ids=new_ids)
 
 
 def with_reward_changed(dataset: TrajectoryDataset, index: int, change: float = 1.0) -> TrajectoryDataset:

@@ -81,7 +81,7 @@ def neighbours_of(data, experts, target: int) -> FixedNeighbours:
     if not 0 <= target < m:
         raise ValidationError("target", f"must be an expert index in [0, {m}), got {target}")
     others = experts_without(experts, target)
-    rows = data.subset(np.flatnonzero(data.expert_ids == target)).observations
+    rows = data.subset(np.flatnonzero(data.unit_ids == target)).observations
     return FixedNeighbours(experts, data, target, others, without_unit(data, target, others), _row_keys(rows))
 
 

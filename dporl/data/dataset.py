@@ -9,7 +9,7 @@ On-disk format (``save`` / ``load``): ONE uncompressed ``.npz`` archive (a zip o
 written atomically, holding exactly these members::
 
     format_version       int64 scalar, currently 2 (readers accept 1 and 2 and refuse any other value)
-    metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_experts, obs_shape,
+    metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_units, obs_shape,
                          env_params, p_min, seed, expert_set, extra, unit_column, unit_keys; action_labels and
                          observation_names only when declared)
     observations         float32 [n_transitions + n_episodes, *obs_shape]
@@ -18,7 +18,7 @@ written atomically, holding exactly these members::
     terminations         bool    [n_transitions]   only an episode's last step may be True ...
     truncations          bool    [n_transitions]   ... and that step has at least one of the two flags
     episode_lengths      int64   [n_episodes], >= 1, summing to n_transitions
-    expert_ids           int64   [n_episodes], in [0, n_experts)
+    unit_ids           int64   [n_episodes], in [0, n_units)
     start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
     behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
 
@@ -28,10 +28,10 @@ archive (a padding zip extra field, id 0xD935, in the member's local header; the
 than RAM). Any npz reader reads the file. Archives written by a bare ``np.savez`` load too: what is aligned is
 mapped, the rest read.
 
-Privacy units. ``expert_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
+Privacy units. ``unit_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
 logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None, the historical meaning). A table
 imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by the user's column: ``unit_column``
-names it, ``n_experts`` is the number of units and ``unit_keys[i]`` is the column's value (as a string) for unit i.
+names it, ``n_units`` is the number of units and ``unit_keys[i]`` is the column's value (as a string) for unit i.
 ``unit_keys`` let a split by unit depend on the user's id alone (``dporl.privacy.partition``), never on which other
 units happen to be present (the dense index i does). Version 1 files (no unit fields) load unchanged.
 
@@ -76,7 +76,7 @@ import torch
 from dporl.data.io import FORMAT_VERSION, READABLE_VERSIONS, read_archive, save_archive
 from dporl.data.metadata import (
     MAX_ACTIONS,
-    MAX_EXPERTS,
+    MAX_UNITS,
     MAX_OBS_ELEMENTS,
     ActionLabel,
     DatasetMetadata,
@@ -98,7 +98,7 @@ from dporl.data.views import EpisodeViews, PaddedTrajectories, Transitions
 from dporl.utils.validation import ValidationError, check_int_range
 
 __all__ = [
-    "FORMAT_VERSION", "MAX_ACTIONS", "MAX_EXPERTS", "MAX_OBS_ELEMENTS", "READABLE_VERSIONS", "ActionLabel",
+    "FORMAT_VERSION", "MAX_ACTIONS", "MAX_UNITS", "MAX_OBS_ELEMENTS", "READABLE_VERSIONS", "ActionLabel",
     "DatasetMetadata", "EpisodeObservations", "FlatEpisodes", "PaddedTrajectories", "TrajectoryDataset",
     "Transitions", "action_set", "check_observation_names", "shared_tensor", "write_npz_members",
 ]
@@ -121,7 +121,7 @@ class TrajectoryDataset(EpisodeViews):
         terminations: Any,
         truncations: Any,
         episode_lengths: Any,
-        expert_ids: Any,
+        unit_ids: Any,
         metadata: DatasetMetadata,
         start_steps: Any = None,
         behavior_log_probs: Any = None,
@@ -135,7 +135,7 @@ class TrajectoryDataset(EpisodeViews):
         self.terminations = _as_typed("terminations", terminations, np.bool_, "b")
         self.truncations = _as_typed("truncations", truncations, np.bool_, "b")
         self.episode_lengths = _as_typed("episode_lengths", episode_lengths, np.int64, "iu")
-        self.expert_ids = _as_typed("expert_ids", expert_ids, np.int64, "iu")
+        self.unit_ids = _as_typed("unit_ids", unit_ids, np.int64, "iu")
         if start_steps is None:
             start_steps = np.zeros(self.episode_lengths.shape, dtype=np.int64)
         self.start_steps = _as_typed("start_steps", start_steps, np.int64, "iu")
@@ -157,11 +157,11 @@ class TrajectoryDataset(EpisodeViews):
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         meta = self.metadata
-        for name in ("episode_lengths", "expert_ids", "start_steps"):
+        for name in ("episode_lengths", "unit_ids", "start_steps"):
             if getattr(self, name).ndim != 1:
                 raise ValidationError(name, f"expected a 1-D array, got shape {getattr(self, name).shape}")
         n_episodes = len(self.episode_lengths)
-        for name in ("expert_ids", "start_steps"):
+        for name in ("unit_ids", "start_steps"):
             if len(getattr(self, name)) != n_episodes:
                 raise ValidationError(
                     name, f"expected one entry per episode ({n_episodes}), got {len(getattr(self, name))}"
@@ -190,7 +190,7 @@ class TrajectoryDataset(EpisodeViews):
         _check_finite_chunked("observations", self.observations)
         _check_finite_chunked("rewards", self.rewards)
         check_int_range("actions", self.actions, 0, meta.n_actions)
-        check_int_range("expert_ids", self.expert_ids, 0, meta.n_experts)
+        check_int_range("unit_ids", self.unit_ids, 0, meta.n_units)
         if n_episodes and self.start_steps.min() < 0:
             raise ValidationError("start_steps", f"must be >= 0, found {int(self.start_steps.min())}")
         if self.behavior_log_probs is not None:
@@ -262,7 +262,7 @@ class TrajectoryDataset(EpisodeViews):
             terminations=flags["terminated"],
             truncations=flags["truncated"],
             episode_lengths=lengths,
-            expert_ids=np.array([e["expert_id"] for e in episodes], dtype=np.int64),
+            unit_ids=np.array([e["expert_id"] for e in episodes], dtype=np.int64),
             start_steps=np.array([e.get("start_step", 0) for e in episodes], dtype=np.int64),
             behavior_log_probs=stack("behavior_log_probs", (0,), np.float32) if all(with_log_probs) and episodes
             else None,
@@ -280,12 +280,12 @@ class TrajectoryDataset(EpisodeViews):
         terminated: Any,
         metadata: DatasetMetadata,
         behavior_log_probs: Any = None,
-        expert_ids: Any = None,
+        unit_ids: Any = None,
     ) -> "TrajectoryDataset":
         """The inverse of ``padded()``, vectorised: episodes as rows [N, L(+1), ...] with a prefix ``mask`` [N, L].
 
         Episode i keeps its first ``mask[i].sum()`` transitions and the observations up to the one after its last
-        step; it ends terminated where ``terminated[i]``, else truncated. ``expert_ids`` default to 0.
+        step; it ends terminated where ``terminated[i]``, else truncated. ``unit_ids`` default to 0.
         """
         def array(name: str, value: Any) -> np.ndarray:
             return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
@@ -313,7 +313,7 @@ class TrajectoryDataset(EpisodeViews):
             terminations=terminations,
             truncations=truncations,
             episode_lengths=lengths,
-            expert_ids=np.zeros(n, dtype=np.int64) if expert_ids is None else array("expert_ids", expert_ids),
+            unit_ids=np.zeros(n, dtype=np.int64) if unit_ids is None else array("unit_ids", unit_ids),
             behavior_log_probs=None if behavior_log_probs is None else array("behavior_log_probs",
                                                                            behavior_log_probs)[mask],
             metadata=metadata,
@@ -330,12 +330,12 @@ class TrajectoryDataset(EpisodeViews):
 
     @property
     def unit_ids(self) -> np.ndarray:
-        """Each episode's privacy unit [n_episodes] (stored as ``expert_ids``; see the module docstring)."""
-        return self.expert_ids
+        """Each episode's privacy unit [n_episodes] (stored as ``unit_ids``; see the module docstring)."""
+        return self.unit_ids
 
     @property
     def n_units(self) -> int:
-        return self.metadata.n_experts
+        return self.metadata.n_units
 
     def __len__(self) -> int:
         return self.n_episodes
@@ -343,7 +343,7 @@ class TrajectoryDataset(EpisodeViews):
     def __repr__(self) -> str:
         return (
             f"TrajectoryDataset(env_id={self.metadata.env_id!r}, episodes={self.n_episodes}, "
-            f"transitions={self.n_transitions}, experts={self.metadata.n_experts})"
+            f"transitions={self.n_transitions}, experts={self.metadata.n_units})"
         )
 
     @classmethod
@@ -374,7 +374,7 @@ class TrajectoryDataset(EpisodeViews):
             terminations=cat("terminations"),
             truncations=cat("truncations"),
             episode_lengths=cat("episode_lengths"),
-            expert_ids=cat("expert_ids"),
+            unit_ids=cat("unit_ids"),
             start_steps=cat("start_steps"),
             behavior_log_probs=cat("behavior_log_probs") if all(with_log_probs) else None,
             metadata=metadata,
@@ -390,7 +390,7 @@ class TrajectoryDataset(EpisodeViews):
 
     def with_identities_removed(self, metadata: DatasetMetadata) -> "TrajectoryDataset":
         """Same episodes, every expert id 0 and no behaviour log-probs (both identify the logging expert)."""
-        return self.replace(expert_ids=np.zeros(self.n_episodes, dtype=np.int64), behavior_log_probs=None,
+        return self.replace(unit_ids=np.zeros(self.n_episodes, dtype=np.int64), behavior_log_probs=None,
                             metadata=metadata)
 
     def summary(self) -> dict:

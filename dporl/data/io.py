@@ -94,6 +94,6 @@ def _check_declared_sizes(members: Mapping[str, NpyMember], metadata: DatasetMet
     expected = {"observations": (n_transitions + n_episodes, *metadata.obs_shape)}
     expected.update({name: (n_transitions,) for name in ("rewards", "terminations", "truncations",
                                                          "behavior_log_probs")})
-    expected.update({name: (n_episodes,) for name in ("expert_ids", "start_steps")})
+    expected.update({name: (n_episodes,) for name in ("unit_ids", "start_steps")})
     for name, shape in expected.items():
         check_declared(name, members.get(name), None, shape)

@@ -1,7 +1,7 @@
 """What a dataset declares about itself: ``DatasetMetadata`` and the declared action set (``action_set``).
 
 Every field is validated on construction and bounded before anything is sized by it (``MAX_ACTIONS``,
-``MAX_EXPERTS``, ``MAX_OBS_ELEMENTS``). ``env_id`` is a name, never code. The action set is DECLARED (public),
+``MAX_UNITS``, ``MAX_OBS_ELEMENTS``). ``env_id`` is a name, never code. The action set is DECLARED (public),
 never read from the rows; the privacy-unit fields (``unit_column``, ``unit_keys``) are described in
 ``dporl.data.dataset``.
 """
@@ -20,7 +20,7 @@ from dporl.utils.validation import ValidationError
 
 # Bounds on what metadata may declare (arrays are sized by them, e.g. per-expert counts and action histograms).
 MAX_ACTIONS = 1 << 20
-MAX_EXPERTS = 1 << 27
+MAX_UNITS = 1 << 27
 MAX_OBS_ELEMENTS = 1 << 24
 
 
@@ -94,7 +94,7 @@ class DatasetMetadata:
 
     env_id: str
     n_actions: int
-    n_experts: int
+    n_units: int
     obs_shape: tuple[int, ...]
     env_params: dict = field(default_factory=dict)  # physics parameters of the logging env
     p_min: Optional[float] = None  # every expert put at least this probability on every action
@@ -115,7 +115,7 @@ class DatasetMetadata:
         if not isinstance(self.env_id, str) or not self.env_id:
             raise ValidationError("metadata.env_id", f"expected a non-empty string, got {self.env_id!r}")
         check_no_module("metadata.env_id", self.env_id)
-        for name, bound in (("n_actions", MAX_ACTIONS), ("n_experts", MAX_EXPERTS)):
+        for name, bound in (("n_actions", MAX_ACTIONS), ("n_units", MAX_UNITS)):
             value = getattr(self, name)  # bounded: code sizes arrays by these before reading any row
             if not _is_int(value) or not 1 <= value <= bound:
                 raise ValidationError(f"metadata.{name}", f"expected an integer in [1, {bound}], got {value!r}")
@@ -154,9 +154,9 @@ class DatasetMetadata:
             keys = self.unit_keys
             if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
                 raise ValidationError("metadata.unit_keys", "expected a list of strings (one per unit) or null")
-            if len(keys) != self.n_experts:
+            if len(keys) != self.n_units:
                 raise ValidationError(
-                    "metadata.unit_keys", f"expected one key per unit ({self.n_experts}), got {len(keys)}"
+                    "metadata.unit_keys", f"expected one key per unit ({self.n_units}), got {len(keys)}"
                 )
             if len(set(keys)) != len(keys):
                 raise ValidationError("metadata.unit_keys", "unit keys must be distinct")
@@ -174,11 +174,11 @@ class DatasetMetadata:
     @property
     def n_units(self) -> int:
         """Number of privacy units (the experts, unless the user chose a unit column)."""
-        return self.n_experts
+        return self.n_units
 
     def unit_key_strings(self) -> list[str]:
         """Every unit's stable id as a string: the user's column value, or the unit index for expert data."""
-        return list(self.unit_keys) if self.unit_keys is not None else [str(i) for i in range(self.n_experts)]
+        return list(self.unit_keys) if self.unit_keys is not None else [str(i) for i in range(self.n_units)]
 
     def to_dict(self) -> dict:
         payload = asdict(self)

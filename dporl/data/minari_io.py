@@ -123,7 +123,7 @@ def export_minari(
     if description is None:
         description = (
             f"dporl TrajectoryDataset: {dataset.n_episodes} episodes of {meta.env_id} logged by "
-            f"{meta.n_experts} experts; infos carry '{EXPERT_ID_INFO}' (the privacy unit)"
+            f"{meta.n_units} experts; infos carry '{EXPERT_ID_INFO}' (the privacy unit)"
         )
     buffers = _episode_buffers(dataset)
     bar = tqdm(total=len(buffers), desc=f"export {dataset_id}", unit="episode", disable=not progress)
@@ -182,7 +182,7 @@ def _episode_buffers(dataset: TrajectoryDataset) -> list:
     with_start_steps = bool(np.any(dataset.start_steps))
     buffers = []
     for e in range(dataset.n_episodes):
-        infos = {EXPERT_ID_INFO: np.full(lengths[e] + 1, dataset.expert_ids[e], dtype=np.int64)}
+        infos = {EXPERT_ID_INFO: np.full(lengths[e] + 1, dataset.unit_ids[e], dtype=np.int64)}
         if with_start_steps:
             infos[START_STEP_INFO] = np.full(lengths[e] + 1, dataset.start_steps[e], dtype=np.int64)
         if log_probs is not None:
@@ -206,7 +206,7 @@ def import_minari(
     expert_id_key: str | Mapping[int, int] = EXPERT_ID_INFO,
     *,
     root: Optional[str | os.PathLike] = None,
-    n_experts: Optional[int] = None,
+    n_units: Optional[int] = None,
     metadata: Optional[DatasetMetadata] = None,
     behavior_log_prob_key: Optional[str] = BEHAVIOR_LOG_PROB_INFO,
     progress: bool = True,
@@ -215,7 +215,7 @@ def import_minari(
 
     ``expert_id_key``: the info key holding each episode's expert id (constant over the episode), or a mapping
     Minari episode id -> expert id covering every episode. Metadata comes from ``metadata=``, else from a dporl
-    export's stored metadata, else from the Minari spaces with ``n_experts`` (default: largest id + 1).
+    export's stored metadata, else from the Minari spaces with ``n_units`` (default: largest id + 1).
     ``behavior_log_prob_key`` (None to skip): info key of behaviour log-probabilities, step-aligned as above.
     """
     data = _open(source, root)
@@ -227,14 +227,14 @@ def import_minari(
                          bar_format="{desc}: {percentage:3.0f}%|{bar}|"))
     stored = data.storage.metadata.get(DPORL_METADATA_KEY)
     if metadata is None and stored is not None:
-        if n_experts is not None:
-            raise ValidationError("n_experts", "the dataset carries dporl metadata; pass metadata= to override it")
+        if n_units is not None:
+            raise ValidationError("n_units", "the dataset carries dporl metadata; pass metadata= to override it")
         metadata = DatasetMetadata.from_dict(parse_json(stored, DPORL_METADATA_KEY))
-    expert_ids = _expert_ids(episodes, expert_id_key)
+    unit_ids = _expert_ids(episodes, expert_id_key)
     if metadata is None:
-        metadata = _derived_metadata(data, expert_ids, n_experts)
-    elif n_experts is not None:
-        raise ValidationError("n_experts", "give either metadata= or n_experts=, not both")
+        metadata = _derived_metadata(data, unit_ids, n_units)
+    elif n_units is not None:
+        raise ValidationError("n_units", "give either metadata= or n_units=, not both")
     lengths = np.array([len(ep["actions"]) for ep in episodes], dtype=np.int64)
     for field_name in ("observations", "actions"):
         for i, ep in enumerate(episodes):
@@ -254,7 +254,7 @@ def import_minari(
         terminations=cat("terminations").astype(bool),
         truncations=cat("truncations").astype(bool),
         episode_lengths=lengths,
-        expert_ids=expert_ids,
+        unit_ids=unit_ids,
         start_steps=_constant_info(episodes, START_STEP_INFO, required=False),
         behavior_log_probs=_step_info(episodes, behavior_log_prob_key),
         metadata=metadata,
@@ -318,20 +318,20 @@ def _check_declared_size(data: "minari.MinariDataset") -> None:
 
 
 def _derived_metadata(
-    data: "minari.MinariDataset", expert_ids: np.ndarray, n_experts: Optional[int]
+    data: "minari.MinariDataset", unit_ids: np.ndarray, n_units: Optional[int]
 ) -> DatasetMetadata:
     action_space, observation_space = data.action_space, data.observation_space
     if not isinstance(action_space, gym.spaces.Discrete) or int(action_space.start) != 0:
         raise ValidationError("action_space", f"dporl needs Discrete(n) actions starting at 0, got {action_space}")
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValidationError("observation_space", f"dporl needs a Box observation space, got {observation_space}")
-    if n_experts is None:
-        n_experts = int(expert_ids.max()) + 1 if len(expert_ids) else 1
+    if n_units is None:
+        n_units = int(unit_ids.max()) + 1 if len(unit_ids) else 1
     env_spec = data.env_spec
     return DatasetMetadata(
         env_id=env_spec.id if env_spec is not None else data.spec.dataset_id,
         n_actions=int(action_space.n),
-        n_experts=n_experts,
+        n_units=n_units,
         obs_shape=tuple(observation_space.shape),
         extra={"minari_dataset_id": data.spec.dataset_id, "minari_version": data.spec.minari_version},
     )

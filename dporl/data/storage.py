@@ -26,7 +26,7 @@ _ARRAY_DTYPES = {
     "terminations": np.bool_,
     "truncations": np.bool_,
     "episode_lengths": np.int64,
-    "expert_ids": np.int64,
+    "unit_ids": np.int64,
     "start_steps": np.int64,
     "behavior_log_probs": np.float32,
 }

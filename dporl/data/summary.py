@@ -26,13 +26,13 @@ def summary(dataset: Any) -> dict:
             "std": float(values.std()),
         }
 
-    per_expert = np.bincount(dataset.expert_ids, minlength=dataset.metadata.n_experts)
+    per_expert = np.bincount(dataset.unit_ids, minlength=dataset.metadata.n_units)
     last = dataset._transition_starts + dataset.episode_lengths - 1
     return {
         "env_id": dataset.metadata.env_id,
         "n_episodes": dataset.n_episodes,
         "n_transitions": dataset.n_transitions,
-        "n_experts": dataset.metadata.n_experts,
+        "n_units": dataset.metadata.n_units,
         "experts_with_episodes": int(np.count_nonzero(per_expert)),
         "episodes_per_expert": {k: v for k, v in stats(per_expert).items() if k != "std"},
         "episode_return": stats(dataset.episode_returns()),

@@ -167,7 +167,7 @@ def to_frame(dataset: TrajectoryDataset, *, next_observations: bool = False, uni
 
     t = dataset.transitions()
     keys = np.asarray(dataset.metadata.unit_key_strings(), dtype=object)
-    frame = {"episode": t.episode_ids, unit: keys[t.expert_ids], "step": t.timesteps}
+    frame = {"episode": t.episode_ids, unit: keys[t.unit_ids], "step": t.timesteps}
     obs = t.obs.reshape(len(t), -1)
     frame.update({f"obs_{j}": obs[:, j] for j in range(obs.shape[1])})
     labels = dataset.metadata.action_labels
@@ -208,10 +208,10 @@ def read_minari(
 
 def with_unit(dataset: TrajectoryDataset, column: str) -> TrajectoryDataset:
     """The same episodes with units re-indexed densely from their ids and the unit ``column`` recorded."""
-    ids, uniques = _factorize(dataset.expert_ids, sort=True)
+    ids, uniques = _factorize(dataset.unit_ids, sort=True)
     meta = dataset.metadata.to_dict()
-    meta.update(n_experts=len(uniques), unit_column=column, unit_keys=[str(int(u)) for u in uniques])
-    return dataset.replace(expert_ids=ids, metadata=DatasetMetadata.from_dict(meta))
+    meta.update(n_units=len(uniques), unit_column=column, unit_keys=[str(int(u)) for u in uniques])
+    return dataset.replace(unit_ids=ids, metadata=DatasetMetadata.from_dict(meta))
 
 
 def table_header(source: str | os.PathLike) -> list[str]:

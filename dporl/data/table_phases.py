@@ -356,7 +356,7 @@ def _build_dataset(episodes: _Episodes, columns: TableColumns, declared: Declare
     metadata = DatasetMetadata(
         env_id=env_id or DEFAULT_ENV_ID,
         n_actions=int(declared.n_actions),
-        n_experts=len(unit_keys),
+        n_units=len(unit_keys),
         obs_shape=(len(columns.observations),),
         extra={**dict(extra or {}), "import": summary},
         unit_column=columns.unit,
@@ -371,7 +371,7 @@ def _build_dataset(episodes: _Episodes, columns: TableColumns, declared: Declare
         terminations=term_out,
         truncations=trunc_out,
         episode_lengths=steps.lengths,
-        expert_ids=unit_ids,
+        unit_ids=unit_ids,
         start_steps=None if episodes.steps is None else episodes.steps[episodes.starts],
         behavior_log_probs=steps.log_probs,
         metadata=metadata,

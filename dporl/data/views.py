@@ -29,7 +29,7 @@ class Transitions:
     next_obs: np.ndarray
     terminated: np.ndarray
     truncated: np.ndarray
-    expert_ids: np.ndarray
+    unit_ids: np.ndarray
     episode_ids: np.ndarray
     timesteps: np.ndarray
     behavior_log_probs: Optional[np.ndarray]
@@ -60,7 +60,7 @@ class PaddedTrajectories:
     lengths: torch.Tensor  # [N] int64
     terminated: torch.Tensor  # [N] bool: the episode's last step is a termination
     truncated: torch.Tensor  # [N] bool
-    expert_ids: torch.Tensor  # [N] int64
+    unit_ids: torch.Tensor  # [N] int64
     start_steps: torch.Tensor  # [N] int64
     behavior_log_probs: Optional[torch.Tensor]  # [N, L] or None when not logged
 
@@ -80,7 +80,7 @@ class EpisodeViews:
     terminations: np.ndarray
     truncations: np.ndarray
     episode_lengths: np.ndarray
-    expert_ids: np.ndarray
+    unit_ids: np.ndarray
     start_steps: np.ndarray
     behavior_log_probs: Optional[np.ndarray]
     n_episodes: int
@@ -106,7 +106,7 @@ class EpisodeViews:
             "rewards": self.rewards[t0 : t0 + length].copy(),
             "terminated": bool(self.terminations[last]),
             "truncated": bool(self.truncations[last]),
-            "expert_id": int(self.expert_ids[index]),
+            "expert_id": int(self.unit_ids[index]),
             "start_step": int(self.start_steps[index]),
         }
         if self.behavior_log_probs is not None:
@@ -139,7 +139,7 @@ class EpisodeViews:
             next_obs=next_obs,
             terminated=self.terminations.copy(),
             truncated=self.truncations.copy(),
-            expert_ids=np.repeat(self.expert_ids, self.episode_lengths),
+            unit_ids=np.repeat(self.unit_ids, self.episode_lengths),
             episode_ids=episode_ids,
             timesteps=index,
             behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs.copy(),
@@ -163,10 +163,10 @@ class EpisodeViews:
             columns["behavior_log_probs"] = shared_tensor(self.behavior_log_probs)
         return columns
 
-    def expert_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
+    def unit_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Episodes grouped by expert (CSR): expert i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
         dataset order."""
-        return stable_group_order(self.expert_ids, self.metadata.n_experts)  # a counting sort: linear
+        return stable_group_order(self.unit_ids, self.metadata.n_units)  # a counting sort: linear
 
     def padded(self, episode_indices: Any = None) -> PaddedTrajectories:
         """The selected episodes (default: all, in order) padded to the longest selected one."""
@@ -204,7 +204,7 @@ class EpisodeViews:
             lengths=torch.from_numpy(lengths.copy()),
             terminated=torch.from_numpy(self.terminations[last]),
             truncated=torch.from_numpy(self.truncations[last]),
-            expert_ids=torch.from_numpy(self.expert_ids[indices]),
+            unit_ids=torch.from_numpy(self.unit_ids[indices]),
             start_steps=torch.from_numpy(self.start_steps[indices]),
             behavior_log_probs=(
                 None if self.behavior_log_probs is None else scatter(self.behavior_log_probs)
@@ -258,7 +258,7 @@ class EpisodeViews:
             terminations=terminations,
             truncations=truncations,
             episode_lengths=lengths,
-            expert_ids=self.expert_ids[ids],
+            unit_ids=self.unit_ids[ids],
             start_steps=self.start_steps[ids] + starts,
             behavior_log_probs=None if self.behavior_log_probs is None else self.behavior_log_probs[flat],
             metadata=self.metadata,

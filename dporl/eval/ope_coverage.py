@@ -109,12 +109,12 @@ class TreatmentChain:
         observations = eye[obs_states]
         observations[last[terminated[last]] + np.flatnonzero(terminated[last]) + 1] = 0.0  # terminal placeholder
         meta = DatasetMetadata(
-            env_id="dporl/TreatmentChain", n_actions=2, n_experts=n_units, obs_shape=(S,),
+            env_id="dporl/TreatmentChain", n_actions=2, n_units=n_units, obs_shape=(S,),
             unit_column="clinician", unit_keys=tuple(f"c{i}" for i in range(n_units)),
         )
         return TrajectoryDataset(
             observations=observations, actions=flat["action"], rewards=flat["reward"].astype(np.float32),
-            terminations=terminated, truncations=truncated, episode_lengths=lengths, expert_ids=units,
+            terminations=terminated, truncations=truncated, episode_lengths=lengths, unit_ids=units,
             behavior_log_probs=np.log(flat["prob"]).astype(np.float32), metadata=meta,
         )
 

@@ -140,7 +140,7 @@ class HospitalStays:
                                unit_keys=tuple(f"d{i}" for i in range(n_units)))
         return TrajectoryDataset.from_padded(
             observations=observations, actions=actions, rewards=rewards.astype(np.float32), mask=mask,
-            terminated=terminated, behavior_log_probs=np.log(probs).astype(np.float32), expert_ids=units,
+            terminated=terminated, behavior_log_probs=np.log(probs).astype(np.float32), unit_ids=units,
             metadata=meta)
 
 
@@ -267,7 +267,7 @@ def cartpole_problem(units: int = 1000, rollouts: int = 200_000, cache: Optional
         return TrajectoryDataset.from_padded(
             observations=observations, actions=r["actions"], rewards=mask.astype(np.float32), mask=mask,
             terminated=r["terminated"], behavior_log_probs=np.log(r["probs"]).astype(np.float32),
-            expert_ids=np.arange(units), metadata=meta)
+            unit_ids=np.arange(units), metadata=meta)
 
     return SuiteProblem(
         "cartpole", f"logged CartPole ({units} episodes of <= {horizon} steps, one per unit)", value,
@@ -314,7 +314,7 @@ def digits_problem(uniform_share: float = 0.2) -> SuiteProblem:
             observations=obs, actions=actions[:, None], rewards=(actions == y).astype(np.float32)[:, None],
             mask=np.ones((n, 1), bool), terminated=np.ones(n, bool),
             behavior_log_probs=np.log(logging[np.arange(n), actions]).astype(np.float32)[:, None],
-            expert_ids=np.arange(n), metadata=meta)
+            unit_ids=np.arange(n), metadata=meta)
 
     def baselines(dataset: TrajectoryDataset) -> dict[str, float]:
         """Non-private IPW, SNIPW and DR (a ridge model per action, cross-fitted over two halves)."""

@@ -194,7 +194,7 @@ def collect(
     metadata = DatasetMetadata(
         env_id=env_id,
         n_actions=n_actions,
-        n_experts=m,
+        n_units=m,
         obs_shape=obs_shape,
         env_params=logging_physics(env_id, env_params, env_kwargs),
         p_min=expert_set.p_min,
@@ -209,7 +209,7 @@ def collect(
             **dict(extra or {}),
         },
     )
-    return TrajectoryDataset(expert_ids=np.concatenate(expert_ids), metadata=metadata, **flat)
+    return TrajectoryDataset(unit_ids=np.concatenate(expert_ids), metadata=metadata, **flat)
 
 
 def evaluate_policies(

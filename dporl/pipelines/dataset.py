@@ -139,8 +139,8 @@ def _action_count(env_id: str, env_kwargs: dict) -> int:
 
 
 def _per_expert_mean_return(dataset) -> list[float]:
-    totals = np.bincount(dataset.expert_ids, weights=dataset.episode_returns(), minlength=dataset.metadata.n_experts)
-    counts = np.bincount(dataset.expert_ids, minlength=dataset.metadata.n_experts)
+    totals = np.bincount(dataset.unit_ids, weights=dataset.episode_returns(), minlength=dataset.metadata.n_units)
+    counts = np.bincount(dataset.unit_ids, minlength=dataset.metadata.n_units)
     return (totals / np.maximum(counts, 1)).tolist()
 
 

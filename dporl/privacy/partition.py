@@ -98,8 +98,8 @@ class UnitPartition:
             episodes = np.flatnonzero(unit_cell[dataset.unit_ids] == index)
             part = dataset.subset(episodes)
             meta = dataset.metadata.to_dict()
-            meta.update(n_experts=len(members), unit_keys=[str(k) for k in keys[members]])  # same unit column
-            result[name] = part.replace(expert_ids=remap[part.expert_ids], metadata=DatasetMetadata.from_dict(meta))
+            meta.update(n_units=len(members), unit_keys=[str(k) for k in keys[members]])  # same unit column
+            result[name] = part.replace(unit_ids=remap[part.unit_ids], metadata=DatasetMetadata.from_dict(meta))
         return result
 
     def to_dict(self) -> dict[str, Any]:

@@ -123,8 +123,8 @@ def check_release_preconditions(
         )
     meta = dataset.metadata
     m = expert_set.n_experts
-    if meta.n_experts != m:  # the counts themselves are private: the refusal does not print them
-        raise ValidationError("dataset.metadata.n_experts", "the data and the expert set hold different numbers of "
+    if meta.n_units != m:  # the counts themselves are private: the refusal does not print them
+        raise ValidationError("dataset.metadata.n_units", "the data and the expert set hold different numbers of "
                               "experts: not the expert set that logged these data")
     if meta.n_actions != expert_set.n_actions:
         raise ValidationError(

@@ -107,7 +107,7 @@ def public_metadata(meta: DatasetMetadata, plan: ReleasePlan) -> DatasetMetadata
     return DatasetMetadata(
         env_id=meta.env_id,
         n_actions=meta.n_actions,
-        n_experts=1,
+        n_units=1,
         obs_shape=tuple(meta.obs_shape),
         env_params=dict(meta.env_params),
         p_min=None,

@@ -50,7 +50,7 @@ class ReleaseRuns:
         else:
             flat = flatten_rollout(self.prefixes.slots(kept))
             flat.pop("behavior_log_probs", None)
-        return TrajectoryDataset(expert_ids=np.zeros(len(kept), dtype=np.int64), metadata=metadata, **flat)
+        return TrajectoryDataset(unit_ids=np.zeros(len(kept), dtype=np.int64), metadata=metadata, **flat)
 
 
 def execute_release(
@@ -175,8 +175,8 @@ def _choose_trajectories(
     experts = torch.randint(0, m, (trials, runs), generator=generator).numpy()
     keys = torch.rand(trials, dataset.n_episodes, generator=generator, dtype=torch.float64).numpy()
     # Episodes grouped by expert, random order within (keys in [0, 1) never reorder two experts), per trial.
-    shuffled = np.argsort(dataset.expert_ids[None, :] + keys, axis=1, kind="stable")
-    counts = np.bincount(dataset.expert_ids, minlength=m)
+    shuffled = np.argsort(dataset.unit_ids[None, :] + keys, axis=1, kind="stable")
+    counts = np.bincount(dataset.unit_ids, minlength=m)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     # occurrence[t, r]: how many earlier runs of trial t chose the same expert.
     flat = (np.arange(trials)[:, None] * m + experts).ravel()

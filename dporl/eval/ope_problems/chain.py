@@ -91,7 +91,7 @@ class FiniteMRPProblem:
             rewards=torch.stack(rewards, 1).float() * mask,
             mask=mask,
             terminated=~alive[-1],
-            metadata=DatasetMetadata(env_id=self.env_id, n_actions=1, n_experts=1, obs_shape=(1,)),
+            metadata=DatasetMetadata(env_id=self.env_id, n_actions=1, n_units=1, obs_shape=(1,)),
         )
 
 

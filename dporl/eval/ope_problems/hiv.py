@@ -102,7 +102,7 @@ def simulate_hiv(settings: HIVSettings, policy, n: int, generator: torch.Generat
     return TrajectoryDataset.from_padded(
         observations=observations, actions=actions, rewards=rewards, mask=torch.ones(n, horizon, dtype=torch.bool),
         terminated=torch.zeros(n, dtype=torch.bool), behavior_log_probs=log_probs,
-        metadata=DatasetMetadata(env_id="dporl/HIVTreatment-v0", n_actions=4, n_experts=1, obs_shape=(6,),
+        metadata=DatasetMetadata(env_id="dporl/HIVTreatment-v0", n_actions=4, n_units=1, obs_shape=(6,),
                                  extra={"reward_scale": settings.reward_scale}),
     )
 

@@ -110,7 +110,7 @@ def simulate_mountain_car(policy, n: int, max_steps: int, generator: torch.Gener
         observations=observations[:, : width + 1], actions=actions[:, :width],
         rewards=-mask[:, :width].astype(np.float32), mask=mask[:, :width], terminated=terminated,
         behavior_log_probs=log_probs[:, :width],
-        metadata=DatasetMetadata(env_id="MountainCar-v0", n_actions=N_ACTIONS, n_experts=1, obs_shape=(2,),
+        metadata=DatasetMetadata(env_id="MountainCar-v0", n_actions=N_ACTIONS, n_units=1, obs_shape=(2,),
                                  extra={"observation_low": list(OBSERVATION_LOW),
                                         "observation_high": list(OBSERVATION_HIGH)}),
     )
