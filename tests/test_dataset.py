@@ -29,7 +29,7 @@ def make_episodes(rng, n_episodes=7, obs_shape=(3,), n_actions=3, n_units=4, log
             "rewards": rng.normal(size=length).astype(np.float32),
             "terminated": terminated,
             "truncated": not terminated or bool(rng.integers(0, 2)),
-            "expert_id": int(rng.integers(0, n_units)),
+            "unit_id": int(rng.integers(0, n_units)),
         }
         if log_probs:
             episode["behavior_log_probs"] = -rng.exponential(size=length).astype(np.float32)
@@ -74,7 +74,7 @@ def test_from_episodes_round_trips_every_episode():
         for key in ("observations", "actions", "rewards", "behavior_log_probs"):
             np.testing.assert_array_equal(episode[key], original[key])
         assert episode["terminated"] == original["terminated"] and episode["truncated"] == original["truncated"]
-        assert episode["expert_id"] == original["expert_id"] and episode["start_step"] == 0
+        assert episode["unit_id"] == original["unit_id"] and episode["start_step"] == 0
         obs, actions = dataset.episode_observations_actions(i)
         np.testing.assert_array_equal(obs, original["observations"])
         np.testing.assert_array_equal(actions, original["actions"])
@@ -117,10 +117,10 @@ def test_from_episodes_rejects_empty_episode_and_missing_keys():
         TrajectoryDataset.from_episodes(episodes, make_metadata())
     assert info.value.field == "episodes[0].actions"
     episodes = make_episodes(rng, n_episodes=2)
-    del episodes[1]["expert_id"]
+    del episodes[1]["unit_id"]
     with pytest.raises(ValidationError) as info:
         TrajectoryDataset.from_episodes(episodes, make_metadata())
-    assert info.value.field == "episodes[1].expert_id"
+    assert info.value.field == "episodes[1].unit_id"
 
 
 def test_empty_dataset_is_valid_and_views_are_empty(tmp_path):
@@ -151,7 +151,7 @@ def test_transitions_match_per_episode_loop(log_probs, obs_shape):
             rows["rewards"].append(ep["rewards"][t])
             rows["terminated"].append(ep["terminated"] and t == length - 1)
             rows["truncated"].append(ep["truncated"] and t == length - 1)
-            rows["unit_ids"].append(ep["expert_id"])
+            rows["unit_ids"].append(ep["unit_id"])
             rows["episode_ids"].append(e)
             rows["timesteps"].append(t)
             if log_probs:
@@ -174,7 +174,7 @@ def test_expert_episode_index_groups_episodes_in_order():
     order, offsets = dataset.unit_episode_index()
     assert offsets.shape == (7,) and offsets[0] == 0 and offsets[-1] == 20
     for expert in range(6):
-        expected = [i for i, ep in enumerate(episodes) if ep["expert_id"] == expert]
+        expected = [i for i, ep in enumerate(episodes) if ep["unit_id"] == expert]
         assert order[offsets[expert] : offsets[expert + 1]].tolist() == expected
 
 
@@ -187,7 +187,7 @@ def test_padded_matches_per_episode_loop(log_probs):
     assert padded.actions.shape == (4, width) and padded.observations.shape == (4, width + 1, 3)
     for row, i in enumerate(selection):
         ep, length = episodes[i], len(episodes[i]["actions"])
-        assert padded.lengths[row] == length and padded.unit_ids[row] == ep["expert_id"]
+        assert padded.lengths[row] == length and padded.unit_ids[row] == ep["unit_id"]
         assert bool(padded.terminated[row]) == ep["terminated"] and bool(padded.truncated[row]) == ep["truncated"]
         np.testing.assert_array_equal(padded.observations[row, : length + 1].numpy(), ep["observations"])
         np.testing.assert_array_equal(padded.actions[row, :length].numpy(), ep["actions"])
@@ -210,7 +210,7 @@ def test_episode_returns_and_summary_match_loops():
     np.testing.assert_allclose(dataset.episode_returns(), returns, rtol=1e-6)
     summary = dataset.summary()
     json.dumps(summary)  # JSON-safe
-    counts = np.bincount([ep["expert_id"] for ep in episodes], minlength=5)
+    counts = np.bincount([ep["unit_id"] for ep in episodes], minlength=5)
     assert summary["episodes_per_expert"] == {"min": counts.min(), "mean": counts.mean(), "max": counts.max()}
     assert summary["experts_with_episodes"] == int(np.count_nonzero(counts))
     assert summary["episode_return"]["mean"] == pytest.approx(returns.mean(), rel=1e-6)
@@ -240,7 +240,7 @@ def test_fragments_semantics():
         np.testing.assert_array_equal(prefix["observations"], ep["observations"][: cut[j] + 1])
         np.testing.assert_array_equal(tail["observations"], ep["observations"][cut[j] :])
         np.testing.assert_array_equal(tail["behavior_log_probs"], ep["behavior_log_probs"][cut[j] :])
-        assert prefix["expert_id"] == tail["expert_id"] == ep["expert_id"]
+        assert prefix["unit_id"] == tail["unit_id"] == ep["unit_id"]
     # time indices survive fragmenting, also of a fragment of a fragment
     original = dataset.transitions()
     tail_t = tails.transitions()

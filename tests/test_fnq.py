@@ -125,7 +125,7 @@ def test_offline_variant_trains_on_logged_transitions_with_perturbed_rewards():
     episodes = [
         {"observations": rng.uniform(size=(11, 1)).astype(np.float32), "actions": rng.integers(0, 2, 10),
          "rewards": rng.uniform(0, 0.5, 10).astype(np.float32), "terminated": False, "truncated": True,
-         "expert_id": 0}
+         "unit_id": 0}
         for _ in range(3)
     ]
     dataset = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 2, 1, (1,)))
@@ -474,7 +474,7 @@ def test_input_perturbation_accounting_counts_distinct_rewards_offline(tmp_path)
     rng = np.random.default_rng(1)
     episodes = [{"observations": rng.uniform(size=(6, 1)).astype(np.float32), "actions": rng.integers(0, 2, 5),
                  "rewards": rng.uniform(0, 0.5, 5).astype(np.float32), "terminated": False, "truncated": True,
-                 "expert_id": 0} for _ in range(4)]
+                 "unit_id": 0} for _ in range(4)]
     path = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("dporl/Line1D-v0", 2, 1, (1,))).save(tmp_path / "d.npz")
     from dporl.privacy.functional_calibration import gaussian_noise_multiplier
 
@@ -517,7 +517,7 @@ def test_rewards_outside_the_declared_range_are_clamped_and_counted_never_refuse
     torch.testing.assert_close(clamped, raw.clamp(0.0, 0.2))
     assert narrow_clamp.clamped == int((raw > 0.2).sum())
     episodes = [{"observations": np.zeros((3, 1), np.float32), "actions": np.array([0, 1]),
-                 "rewards": np.array([0.1, 7.0], np.float32), "terminated": True, "truncated": False, "expert_id": 0}]
+                 "rewards": np.array([0.1, 7.0], np.float32), "terminated": True, "truncated": False, "unit_id": 0}]
     dataset = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 2, 1, (1,)))
     offline_clamp = RewardClamp((0.0, 1.0))
     source = dataset_source(dataset, 4, reward_range=offline_clamp)
@@ -596,7 +596,7 @@ def test_an_offline_dataset_declaring_other_sizes_than_the_environment_is_refuse
     from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
 
     episodes = [{"observations": np.zeros((3, 1), np.float32), "actions": np.array([0, 1]),
-                 "rewards": np.array([0.1, 0.2], np.float32), "terminated": True, "truncated": False, "expert_id": 0}]
+                 "rewards": np.array([0.1, 0.2], np.float32), "terminated": True, "truncated": False, "unit_id": 0}]
     path = TrajectoryDataset.from_episodes(episodes, DatasetMetadata("line", 3, 1, (1,))).save(tmp_path / "d.npz")
     pipeline, config = _pipeline_config(tmp_path / "run", dataset=str(path), methods=["fnq"], epsilons=[1.0])
     with pytest.raises(ValidationError) as info:

@@ -128,7 +128,7 @@ def _fnq_dataset(path: Path, bump: float) -> str:
     rng = np.random.default_rng(0)
     episodes = [{"observations": rng.uniform(size=(11, 1)).astype(np.float32), "actions": rng.integers(0, 2, 10),
                  "rewards": rng.uniform(0, 0.5, 10).astype(np.float32), "terminated": False, "truncated": True,
-                 "expert_id": 0} for _ in range(6)]
+                 "unit_id": 0} for _ in range(6)]
     episodes[2]["rewards"][4] += bump
     TrajectoryDataset.from_episodes(episodes, DatasetMetadata("dporl/Line1D-v0", 2, 1, (1,))).save(path)
     return str(path)

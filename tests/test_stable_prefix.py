@@ -60,7 +60,7 @@ def make_dataset(experts: ExpertSet, per_expert: int, length: int, seed: int = 0
                     "rewards": np.ones(length, dtype=np.float32),
                     "terminated": True,
                     "truncated": False,
-                    "expert_id": i,
+                    "unit_id": i,
                     "behavior_log_probs": np.full(length, math.log1p(-P_MIN), dtype=np.float32),
                 }
             )

@@ -360,7 +360,7 @@ def gaussian_update_audit(
     for name, reward in (("D", reward_d), ("D'", reward_d + 1.0)):
         episodes = [
             {"observations": np.full((2, 1), state, np.float32), "actions": np.array([action]),
-             "rewards": np.array([reward], np.float32), "terminated": True, "truncated": False, "expert_id": 0}
+             "rewards": np.array([reward], np.float32), "terminated": True, "truncated": False, "unit_id": 0}
             for _ in range(batch_size)
         ]
         dataset = TrajectoryDataset.from_episodes(episodes, DatasetMetadata(LINE_ENV, 2, 1, (1,)))

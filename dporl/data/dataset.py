@@ -224,7 +224,7 @@ class TrajectoryDataset(EpisodeViews):
     @classmethod
     def from_episodes(cls, episodes: Sequence[Mapping], metadata: DatasetMetadata) -> "TrajectoryDataset":
         """Build from per-episode dicts: observations [L+1, *obs], actions [L], rewards [L], terminated, truncated,
-        expert_id, optional behavior_log_probs [L] (all or none) and start_step."""
+        unit_id, optional behavior_log_probs [L] (all or none) and start_step."""
         episodes = list(episodes)
         with_log_probs = [e.get("behavior_log_probs") is not None for e in episodes]
         if any(with_log_probs) and not all(with_log_probs):
@@ -232,7 +232,7 @@ class TrajectoryDataset(EpisodeViews):
             raise ValidationError(f"episodes[{first}].behavior_log_probs", "either every episode has them or none")
         lengths = np.zeros(len(episodes), dtype=np.int64)
         for i, episode in enumerate(episodes):
-            for key in ("observations", "actions", "rewards", "terminated", "truncated", "expert_id"):
+            for key in ("observations", "actions", "rewards", "terminated", "truncated", "unit_id"):
                 if key not in episode:
                     raise ValidationError(f"episodes[{i}].{key}", "missing")
             length = len(np.asarray(episode["actions"]))
@@ -262,7 +262,7 @@ class TrajectoryDataset(EpisodeViews):
             terminations=flags["terminated"],
             truncations=flags["truncated"],
             episode_lengths=lengths,
-            unit_ids=np.array([e["expert_id"] for e in episodes], dtype=np.int64),
+            unit_ids=np.array([e["unit_id"] for e in episodes], dtype=np.int64),
             start_steps=np.array([e.get("start_step", 0) for e in episodes], dtype=np.int64),
             behavior_log_probs=stack("behavior_log_probs", (0,), np.float32) if all(with_log_probs) and episodes
             else None,

@@ -106,7 +106,7 @@ class EpisodeViews:
             "rewards": self.rewards[t0 : t0 + length].copy(),
             "terminated": bool(self.terminations[last]),
             "truncated": bool(self.truncations[last]),
-            "expert_id": int(self.unit_ids[index]),
+            "unit_id": int(self.unit_ids[index]),
             "start_step": int(self.start_steps[index]),
         }
         if self.behavior_log_probs is not None:
