@@ -204,7 +204,7 @@ def bench_against_tree(path: Path, info: dict, rounds: int, tree: str) -> None:
 
 def bench_build(path: Path, info: dict, rounds: int, mmap: bool) -> None:
     raw = info["raw_bytes"]
-    print(f"\n{info['n_transitions']:.3g} transitions, {info['n_episodes']} episodes, {info['n_units']} experts; "
+    print(f"\n{info['n_transitions']:.3g} transitions, {info['n_episodes']} episodes, {info['n_units']} units; "
           f"raw arrays {raw / 2**20:.0f} MiB; file {path.stat().st_size / 2**20:.0f} MiB (times in s; x = / np.load)")
     rows = []
     for r in range(rounds):

@@ -211,8 +211,8 @@ def test_episode_returns_and_summary_match_loops():
     summary = dataset.summary()
     json.dumps(summary)  # JSON-safe
     counts = np.bincount([ep["unit_id"] for ep in episodes], minlength=5)
-    assert summary["episodes_per_expert"] == {"min": counts.min(), "mean": counts.mean(), "max": counts.max()}
-    assert summary["experts_with_episodes"] == int(np.count_nonzero(counts))
+    assert summary["episodes_per_unit"] == {"min": counts.min(), "mean": counts.mean(), "max": counts.max()}
+    assert summary["units_with_episodes"] == int(np.count_nonzero(counts))
     assert summary["episode_return"]["mean"] == pytest.approx(returns.mean(), rel=1e-6)
     all_actions = np.concatenate([ep["actions"] for ep in episodes])
     assert summary["action_counts"] == np.bincount(all_actions, minlength=4).tolist()
@@ -473,7 +473,35 @@ def _meta_edit(**changes):
     return mutate
 
 
+def _as_version_2(members):
+    """The archive members as dataset format version 2 writes them: the unit fields are expert_ids / n_experts."""
+    meta = json.loads(str(members["metadata"]))
+    meta["n_experts"] = meta.pop("n_units")
+    members["metadata"] = np.array(json.dumps(meta))
+    members["expert_ids"] = members.pop("unit_ids")
+    members["format_version"] = np.array(2, dtype=np.int64)
+
+
+def _renamed(old, new):
+    def mutate(members):
+        members[new] = members.pop(old)
+    return mutate
+
+
+def _then(*edits):
+    def mutate(members):
+        for edit in edits:
+            edit(members)
+    return mutate
+
+
 BAD_FILES = [
+    # the unit fields' names belong to the file's version: a mix of the two spellings is not a dporl dataset
+    ("expert_ids", _renamed("unit_ids", "expert_ids")),
+    ("metadata.n_experts", _meta_edit(n_experts=4)),
+    ("unit_ids", _then(_as_version_2, _renamed("expert_ids", "unit_ids"))),
+    ("metadata.n_units", _then(_as_version_2, _meta_edit(n_units=4))),
+    ("unit_ids", _then(_as_version_2, _edit(expert_ids=lambda m: m["expert_ids"] + 4))),
     ("format_version", _edit(format_version=np.array(FORMAT_VERSION + 1, dtype=np.int64))),
     ("format_version", _edit(format_version=np.array([1], dtype=np.int64))),
     ("format_version", _edit(format_version=None)),
@@ -511,6 +539,68 @@ def test_malformed_files_name_the_field(tmp_path, field, mutate):
     with pytest.raises(ValidationError) as info:
         TrajectoryDataset.load(tmp_path / "bad.npz")
     assert info.value.field == field
+
+
+def test_a_version_2_layout_loads_to_the_same_dataset(tmp_path):
+    """Format version 2 names the unit fields expert_ids (member) and n_experts (metadata): read back as unit_ids
+    and n_units, to the same dataset with the same fingerprint; saving writes the current version."""
+    dataset, _ = make_dataset(seed=21)
+    members = _archive_members(dataset)
+    _as_version_2(members)
+    _write_members(tmp_path / "v2.npz", members)
+    for mmap in (False, True):
+        loaded = TrajectoryDataset.load(tmp_path / "v2.npz", mmap=mmap)
+        assert_same_dataset(loaded, dataset)
+        assert loaded.fingerprint() == dataset.fingerprint()
+    with np.load(loaded.save(tmp_path / "again.npz")) as archive:
+        assert int(archive["format_version"]) == FORMAT_VERSION == 3
+        assert "unit_ids" in archive.files and "expert_ids" not in archive.files
+        assert json.loads(str(archive["metadata"]))["n_units"] == dataset.n_units
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "data")
+
+
+def test_a_file_written_by_a_format_2_dporl_loads_to_the_same_dataset_and_fingerprint(tmp_path):
+    """tests/data/dataset_format_2.npz was written by dporl's format-2 writer from ``_fixture_content("expert_id",
+    "n_experts")``; dataset_format_2.json holds the fingerprint that writer's dporl computed for it. Loaded here it is
+    the dataset built from the same content, and keeps its fingerprint (run directories and searches record it)."""
+    episodes, fields = _fixture_content("unit_id", "n_units")
+    expected = TrajectoryDataset.from_episodes(episodes, DatasetMetadata(**fields))
+    with open(os.path.join(FIXTURES, "dataset_format_2.json")) as handle:
+        recorded = json.load(handle)
+    path = os.path.join(FIXTURES, "dataset_format_2.npz")
+    with zipfile.ZipFile(path) as archive:  # the file is the old layout, not a copy of the current one
+        assert "expert_ids.npy" in archive.namelist() and "unit_ids.npy" not in archive.namelist()
+    for mmap in (False, True):
+        loaded = TrajectoryDataset.load(path, mmap=mmap)
+        assert_same_dataset(loaded, expected)
+        assert loaded.metadata.unit_keys == ("c7", "c2", "c9") and loaded.n_units == 3
+        assert (loaded.n_episodes, loaded.n_transitions) == (recorded["n_episodes"], recorded["n_transitions"])
+        assert loaded.fingerprint() == expected.fingerprint() == recorded["fingerprint"]
+    assert_same_dataset(TrajectoryDataset.load(loaded.save(tmp_path / "v3.npz")), expected)
+
+
+def _fixture_content(unit_key, count_key):
+    """Episodes and metadata fields of tests/data/dataset_format_2.npz, with the per-episode unit under
+    ``unit_key`` and the number of units under ``count_key``."""
+    rng = np.random.default_rng(7)
+    episodes = []
+    for i in range(6):
+        length = int(rng.integers(1, 5))
+        terminated = bool(i % 2)
+        episodes.append({
+            "observations": rng.normal(size=(length + 1, 2)).astype(np.float32),
+            "actions": rng.integers(0, 3, length),
+            "rewards": rng.normal(size=length).astype(np.float32),
+            "terminated": terminated, "truncated": not terminated,
+            unit_key: int(rng.integers(0, 3)), "start_step": int(rng.integers(0, 4)),
+            "behavior_log_probs": np.log(rng.uniform(0.2, 1.0, size=length)).astype(np.float32),
+        })
+    metadata = {"env_id": "Fixture-v0", "n_actions": 3, count_key: 3, "obs_shape": (2,), "p_min": 0.1, "seed": 5,
+                "extra": {"source": "fixture"}, "unit_column": "clinician", "unit_keys": ("c7", "c2", "c9"),
+                "action_labels": ("wait", "treat", "refer"), "observation_names": ("x", "y")}
+    return episodes, metadata
 
 
 def test_unreadable_files_name_the_path(tmp_path):

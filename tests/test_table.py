@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -86,11 +88,17 @@ def test_saved_unit_metadata_round_trips_and_version_1_files_still_load(tmp_path
     loaded = TrajectoryDataset.load(path)
     assert_same_dataset(loaded, dataset)
     assert loaded.metadata.unit_keys == dataset.metadata.unit_keys and dataset_unit(loaded) == grouped_by("unit")
-    # A version-1 archive (before units were owned by the data) loads, and its unit is the logging expert.
+    # A version-1 archive (no unit fields; the unit index is expert_ids, their number n_experts) loads, and its
+    # unit is the logging expert.
     old, _ = make_dataset(seed=4)
     with np.load(old.save(tmp_path / "old.npz")) as archive:
         members = dict(archive)
     members["format_version"] = np.array(1, dtype=np.int64)
+    members["expert_ids"] = members.pop("unit_ids")
+    meta = json.loads(str(members["metadata"]))
+    meta["n_experts"] = meta.pop("n_units")
+    del meta["unit_column"], meta["unit_keys"]
+    members["metadata"] = np.array(json.dumps(meta))
     np.savez(tmp_path / "v1.npz", **members)
     v1 = TrajectoryDataset.load(tmp_path / "v1.npz")
     assert_same_dataset(v1, old) and dataset_unit(v1) == EXPERT

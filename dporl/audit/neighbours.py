@@ -36,7 +36,7 @@ def without_unit(dataset: TrajectoryDataset, unit: int, experts: Optional[Any] =
     meta = dataset.metadata
     subset = dataset.subset(np.flatnonzero(dataset.unit_ids != unit))
     keys = None if meta.unit_keys is None else tuple(k for i, k in enumerate(meta.unit_keys) if i != unit)
-    changes: dict[str, Any] = {"n_experts": meta.n_units - 1, "unit_keys": keys}
+    changes: dict[str, Any] = {"n_units": meta.n_units - 1, "unit_keys": keys}
     if experts is not None:
         changes["expert_set"] = experts.reference()
     return subset.replace(unit_ids=subset.unit_ids - (subset.unit_ids > unit),

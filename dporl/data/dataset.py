@@ -8,7 +8,7 @@ transitions ``[tstart[e], tstart[e] + len[e])`` and observations ``[tstart[e] + 
 On-disk format (``save`` / ``load``): ONE uncompressed ``.npz`` archive (a zip of ``.npy`` arrays; no pickles)
 written atomically, holding exactly these members::
 
-    format_version       int64 scalar, currently 2 (readers accept 1 and 2 and refuse any other value)
+    format_version       int64 scalar, currently 3 (readers accept 1, 2 and 3 and refuse any other value)
     metadata             0-d unicode string: DatasetMetadata as JSON (env_id, n_actions, n_units, obs_shape,
                          env_params, p_min, seed, expert_set, extra, unit_column, unit_keys; action_labels and
                          observation_names only when declared)
@@ -18,7 +18,7 @@ written atomically, holding exactly these members::
     terminations         bool    [n_transitions]   only an episode's last step may be True ...
     truncations          bool    [n_transitions]   ... and that step has at least one of the two flags
     episode_lengths      int64   [n_episodes], >= 1, summing to n_transitions
-    unit_ids           int64   [n_episodes], in [0, n_units)
+    unit_ids             int64   [n_episodes], in [0, n_units)
     start_steps          int64   [n_episodes], >= 0 (time index of an episode's first transition; 0 unless a fragment)
     behavior_log_probs   float32 [n_transitions], <= 0 (optional member: log pi_behaviour(a_t | s_t))
 
@@ -29,11 +29,13 @@ than RAM). Any npz reader reads the file. Archives written by a bare ``np.savez`
 mapped, the rest read.
 
 Privacy units. ``unit_ids`` holds each episode's *unit*: the group of rows a guarantee protects as one. For data
-logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None, the historical meaning). A table
+logged by dporl's experts the unit is the expert (``metadata.unit_column`` is None). A table
 imported with ``dporl.data.table.read_table(..., unit=COLUMN)`` groups rows by the user's column: ``unit_column``
 names it, ``n_units`` is the number of units and ``unit_keys[i]`` is the column's value (as a string) for unit i.
 ``unit_keys`` let a split by unit depend on the user's id alone (``dporl.privacy.partition``), never on which other
-units happen to be present (the dense index i does). Version 1 files (no unit fields) load unchanged.
+units happen to be present (the dense index i does). Version 1 files (no unit fields) load unchanged; versions 1
+and 2 name the unit fields ``expert_ids`` (member) and ``n_experts`` (metadata), read back as ``unit_ids`` and
+``n_units`` (the same dataset: ``dporl.data.io``).
 
 Actions. The action set is DECLARED (public), never read from the rows: ``n_actions`` (and, when the user's actions
 are labels, ``action_labels``: label i is action index i) comes from a simulator's action space, an expert set, or
@@ -105,7 +107,8 @@ __all__ = [
 
 
 class TrajectoryDataset(EpisodeViews):
-    """Episodes logged by a pool of experts, in the flat layout above. Validated on construction.
+    """Episodes grouped by privacy unit (logged by a pool of experts, or a table's units), in the flat layout above.
+    Validated on construction.
 
     The arrays are exposed as read-only views. Input arrays of the right dtype are not copied (datasets can be large),
     so do not modify them after construction. Views returned by the methods below are fresh, writable arrays unless
@@ -329,12 +332,8 @@ class TrajectoryDataset(EpisodeViews):
         return len(self.actions)
 
     @property
-    def unit_ids(self) -> np.ndarray:
-        """Each episode's privacy unit [n_episodes] (stored as ``unit_ids``; see the module docstring)."""
-        return self.unit_ids
-
-    @property
     def n_units(self) -> int:
+        """Number of privacy units (``metadata.n_units``); ``unit_ids`` holds each episode's."""
         return self.metadata.n_units
 
     def __len__(self) -> int:
@@ -343,7 +342,7 @@ class TrajectoryDataset(EpisodeViews):
     def __repr__(self) -> str:
         return (
             f"TrajectoryDataset(env_id={self.metadata.env_id!r}, episodes={self.n_episodes}, "
-            f"transitions={self.n_transitions}, experts={self.metadata.n_units})"
+            f"transitions={self.n_transitions}, units={self.metadata.n_units})"
         )
 
     @classmethod
@@ -389,12 +388,12 @@ class TrajectoryDataset(EpisodeViews):
         return TrajectoryDataset(**{**fields_, "metadata": self.metadata, **changes})
 
     def with_identities_removed(self, metadata: DatasetMetadata) -> "TrajectoryDataset":
-        """Same episodes, every expert id 0 and no behaviour log-probs (both identify the logging expert)."""
+        """Same episodes, every unit id 0 and no behaviour log-probs (both identify the logging expert)."""
         return self.replace(unit_ids=np.zeros(self.n_episodes, dtype=np.int64), behavior_log_probs=None,
                             metadata=metadata)
 
     def summary(self) -> dict:
-        """JSON-safe overview: counts, episodes per expert, returns, lengths, action histogram, end flags."""
+        """JSON-safe overview: counts, episodes per unit, returns, lengths, action histogram, end flags."""
         return dataset_summary(self)
 
     def fingerprint(self) -> str:

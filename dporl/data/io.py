@@ -17,9 +17,15 @@ from dporl.utils.archives import NpyMember, NpzArchive, check_declared
 from dporl.utils.io import MAX_JSON_BYTES, atomic_write, dump_json, parse_json
 from dporl.utils.validation import ValidationError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 2 added metadata.unit_column / unit_keys; version 1 files load unchanged
-_ARCHIVE_KEYS = {"format_version", "metadata", *_ARRAY_DTYPES}
+FORMAT_VERSION = 3
+# 2 added metadata.unit_column / unit_keys; 3 named the unit fields unit_ids / n_units (1 and 2: expert_ids /
+# n_experts). Every readable version loads to the same dataset.
+READABLE_VERSIONS = (1, 2, 3)
+
+
+def _member_names(version: int) -> dict[str, str]:
+    """Array field -> its member name in a file of format ``version``."""
+    return {name: "expert_ids" if name == "unit_ids" and version < 3 else name for name in _ARRAY_DTYPES}
 
 
 def save_archive(path: str | os.PathLike, metadata: DatasetMetadata, arrays: Mapping[str, Any]) -> Path:
@@ -51,12 +57,9 @@ def read_archive(path: str | os.PathLike, *, mmap: bool = False) -> tuple[Datase
         raise ValidationError("path", f"{path} is not a readable dporl dataset (not a zip archive of .npy arrays)")
     with NpzArchive(path, "path") as archive:
         keys = set(archive.members)
-        unexpected = sorted(keys - _ARCHIVE_KEYS)
-        if unexpected:
-            raise ValidationError(unexpected[0], f"unexpected member in {path} (is this a dporl dataset?)")
-        missing = sorted(_ARCHIVE_KEYS - _OPTIONAL_ARRAYS - keys)
-        if missing:
-            raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
+        if "format_version" not in keys:  # name the first member missing from this version's archive
+            first = sorted({"format_version", "metadata", *_ARRAY_DTYPES} - _OPTIONAL_ARRAYS - keys)[0]
+            raise ValidationError(first, f"missing from {path} (truncated or not a dporl dataset)")
         version_header = archive.members["format_version"]
         if version_header.shape != () or version_header.dtype.kind not in "iu":
             raise ValidationError("format_version", f"expected an integer scalar, got {version_header.dtype} "
@@ -66,6 +69,16 @@ def read_archive(path: str | os.PathLike, *, mmap: bool = False) -> tuple[Datase
             raise ValidationError(
                 "format_version", f"file has version {int(version)}, this dporl reads versions {READABLE_VERSIONS}"
             )
+        version = int(version)
+        stored = _member_names(version)  # field -> member name
+        archive_keys = {"format_version", "metadata", *stored.values()}
+        unexpected = sorted(keys - archive_keys)
+        if unexpected:
+            raise ValidationError(unexpected[0], f"unexpected member in {path} (is this a dporl dataset of format "
+                                  f"version {version}?)")
+        missing = sorted(archive_keys - {stored[name] for name in _OPTIONAL_ARRAYS} - keys)
+        if missing:
+            raise ValidationError(missing[0], f"missing from {path} (truncated or not a dporl dataset)")
         meta_header = archive.members["metadata"]
         if meta_header.shape != () or meta_header.dtype.kind != "U":
             raise ValidationError("metadata", f"expected a JSON string scalar, got {meta_header.dtype} "
@@ -73,11 +86,13 @@ def read_archive(path: str | os.PathLike, *, mmap: bool = False) -> tuple[Datase
         if meta_header.nbytes > 4 * MAX_JSON_BYTES:
             raise ValidationError("metadata", f"declares {meta_header.nbytes} bytes of metadata, more than a "
                                   "dataset's metadata may hold")
-        metadata = DatasetMetadata.from_dict(parse_json(str(archive.read("metadata")), "metadata"))
-        _check_declared_sizes(archive.members, metadata)
-        names = sorted(keys - {"format_version", "metadata"})
-        mapped = _map_members(path, archive, names) if mmap else {}
-        contents = {name: mapped[name] if name in mapped else archive.read(name) for name in names}
+        metadata = DatasetMetadata.from_dict(parse_json(str(archive.read("metadata")), "metadata"), version)
+        members = {name: archive.members[member] for name, member in stored.items() if member in keys}
+        _check_declared_sizes(members, metadata)
+        names = sorted(members)
+        mapped = _map_members(path, archive, [stored[name] for name in names]) if mmap else {}
+        contents = {name: mapped[stored[name]] if stored[name] in mapped else archive.read(stored[name])
+                    for name in names}
     return metadata, contents
 
 

@@ -18,10 +18,12 @@ import numpy as np
 from dporl.envs.registry import check_no_module
 from dporl.utils.validation import ValidationError
 
-# Bounds on what metadata may declare (arrays are sized by them, e.g. per-expert counts and action histograms).
+# Bounds on what metadata may declare (arrays are sized by them, e.g. per-unit counts and action histograms).
 MAX_ACTIONS = 1 << 20
 MAX_UNITS = 1 << 27
 MAX_OBS_ELEMENTS = 1 << 24
+# Metadata keys that dataset format versions 1 and 2 spelled differently (stored name -> field), read by ``from_dict``.
+VERSION_2_KEYS = {"n_experts": "n_units"}
 
 
 def _json_safe(field_name: str, value: Any) -> Any:
@@ -90,7 +92,8 @@ def check_observation_names(names: Any, obs_shape: Sequence[int], field_name: st
 
 @dataclass(frozen=True)
 class DatasetMetadata:
-    """What a dataset needs to be interpreted: where it was logged, by how many experts, under which p_min."""
+    """What a dataset needs to be interpreted: where it was logged, by how many privacy units (the logging experts,
+    unless the user chose a unit column), under which p_min."""
 
     env_id: str
     n_actions: int
@@ -171,11 +174,6 @@ class DatasetMetadata:
             object.__setattr__(self, "observation_names",
                                check_observation_names(self.observation_names, self.obs_shape, "metadata.observation_names"))
 
-    @property
-    def n_units(self) -> int:
-        """Number of privacy units (the experts, unless the user chose a unit column)."""
-        return self.n_units
-
     def unit_key_strings(self) -> list[str]:
         """Every unit's stable id as a string: the user's column value, or the unit index for expert data."""
         return list(self.unit_keys) if self.unit_keys is not None else [str(i) for i in range(self.n_units)]
@@ -192,9 +190,17 @@ class DatasetMetadata:
         return payload
 
     @classmethod
-    def from_dict(cls, payload: Any) -> "DatasetMetadata":
+    def from_dict(cls, payload: Any, version: int = 3) -> "DatasetMetadata":
+        """Metadata from its JSON object as ``to_dict`` writes it; ``version`` < 3: as dataset format versions 1 and 2
+        wrote it (``VERSION_2_KEYS``: the number of units was ``n_experts``). Unknown or missing keys are errors."""
         if not isinstance(payload, Mapping):
             raise ValidationError("metadata", f"expected a JSON object, got {type(payload).__name__}")
+        if version < 3:
+            for stored, name in VERSION_2_KEYS.items():
+                if name in payload:
+                    raise ValidationError(f"metadata.{name}", f"unknown key in a version {version} file (it "
+                                          f"stores {stored!r})")
+            payload = {VERSION_2_KEYS.get(key, key): value for key, value in payload.items()}
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(payload) - names)
         if unknown:

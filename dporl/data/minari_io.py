@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
+from dporl.data.metadata import VERSION_2_KEYS
 from dporl.envs.registry import check_no_module
 from dporl.utils.io import dump_json, parse_json, read_json
 from dporl.utils.validation import ValidationError
@@ -229,7 +230,9 @@ def import_minari(
     if metadata is None and stored is not None:
         if n_units is not None:
             raise ValidationError("n_units", "the dataset carries dporl metadata; pass metadata= to override it")
-        metadata = DatasetMetadata.from_dict(parse_json(stored, DPORL_METADATA_KEY))
+        payload = parse_json(stored, DPORL_METADATA_KEY)  # an export by a dporl of dataset format 2 has n_experts
+        version = 2 if isinstance(payload, dict) and any(key in payload for key in VERSION_2_KEYS) else 3
+        metadata = DatasetMetadata.from_dict(payload, version)
     unit_ids = _expert_ids(episodes, expert_id_key)
     if metadata is None:
         metadata = _derived_metadata(data, unit_ids, n_units)

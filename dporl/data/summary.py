@@ -12,7 +12,7 @@ from dporl.utils.io import dump_json
 
 
 def summary(dataset: Any) -> dict:
-    """JSON-safe overview of a ``TrajectoryDataset``: counts, episodes per expert, returns, lengths, action
+    """JSON-safe overview of a ``TrajectoryDataset``: counts, episodes per unit, returns, lengths, action
     histogram, end flags."""
 
     def stats(values: np.ndarray) -> dict:
@@ -26,15 +26,15 @@ def summary(dataset: Any) -> dict:
             "std": float(values.std()),
         }
 
-    per_expert = np.bincount(dataset.unit_ids, minlength=dataset.metadata.n_units)
+    per_unit = np.bincount(dataset.unit_ids, minlength=dataset.metadata.n_units)
     last = dataset._transition_starts + dataset.episode_lengths - 1
     return {
         "env_id": dataset.metadata.env_id,
         "n_episodes": dataset.n_episodes,
         "n_transitions": dataset.n_transitions,
         "n_units": dataset.metadata.n_units,
-        "experts_with_episodes": int(np.count_nonzero(per_expert)),
-        "episodes_per_expert": {k: v for k, v in stats(per_expert).items() if k != "std"},
+        "units_with_episodes": int(np.count_nonzero(per_unit)),
+        "episodes_per_unit": {k: v for k, v in stats(per_unit).items() if k != "std"},
         "episode_return": stats(dataset.episode_returns()),
         "episode_length": stats(dataset.episode_lengths),
         "action_counts": np.bincount(dataset.actions, minlength=dataset.metadata.n_actions).tolist(),
@@ -45,13 +45,19 @@ def summary(dataset: Any) -> dict:
     }
 
 
+# The labels the fingerprint hashes the unit fields under: fixed (they are format version 2's names), so the same
+# content keeps its fingerprint whatever the fields are called; run directories and searches record fingerprints.
+_FINGERPRINT_LABELS = {"unit_ids": "expert_ids", "n_units": "n_experts"}
+
+
 def fingerprint(dataset: Any) -> str:
     """sha256 of a ``TrajectoryDataset``'s content (metadata JSON and every array's dtype, shape and bytes), hashed
     in place in chunks."""
-    digest = hashlib.sha256(dump_json(dataset.metadata.to_dict(), sort_keys=True).encode())
+    metadata = {_FINGERPRINT_LABELS.get(key, key): value for key, value in dataset.metadata.to_dict().items()}
+    digest = hashlib.sha256(dump_json(metadata, sort_keys=True).encode())
     for name in _ARRAY_DTYPES:
         array = getattr(dataset, name)
-        digest.update(name.encode())
+        digest.update(_FINGERPRINT_LABELS.get(name, name).encode())
         if array is None:
             digest.update(b"absent")
             continue

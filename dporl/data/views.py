@@ -164,7 +164,7 @@ class EpisodeViews:
         return columns
 
     def unit_episode_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """Episodes grouped by expert (CSR): expert i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
+        """Episodes grouped by privacy unit (CSR): unit i's episodes are ``order[offsets[i]:offsets[i+1]]``, in
         dataset order."""
         return stable_group_order(self.unit_ids, self.metadata.n_units)  # a counting sort: linear
 
