@@ -450,7 +450,8 @@ def listing() -> str:
         d = entry.declaration
         lines.append(f"  {entry.name:12s} {entry.summary}")
         lines.append(f"  {'':12s} {entry.algorithm_cls.__name__}; loss: {d.loss_form.value}; reads "
-                     f"{', '.join(d.batch_keys)}; releases {d.policy_kind}; Python API: dporl.{entry.api_name}")
+                     f"{', '.join(d.batch_keys)}; releases {d.policy_kind}; Python API: dporl.{entry.api_name}"
+                     f"(...).create(data) -> dporl.{entry.learner_name}")
     lines.append("methods of the train pipeline (method: NAME):")
     lines += [f"  {m.name:12s} {m.label}" for m in UNIT_LEVEL.values()]
     lines.append("methods of the fnq pipeline (methods: [NAME, ...]):")

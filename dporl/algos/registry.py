@@ -90,7 +90,8 @@ class AlgorithmEntry:
     def describe(self) -> str:
         d = self.declaration
         return (f"{self.name}: {self.summary} ({self.algorithm_cls.__name__}; loss {d.loss_form.name.lower()}; reads "
-                f"{', '.join(d.batch_keys)}; releases policy kind {d.policy_kind!r}; Python API dporl.{self.api_name})")
+                f"{', '.join(d.batch_keys)}; releases policy kind {d.policy_kind!r}; Python API dporl.{self.api_name}, "
+                f"creating a dporl.{self.learner_name})")
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
