@@ -41,7 +41,7 @@ from dporl.eval.ope_importance import dp_importance_sampling
 from dporl.eval.ope_release import gaussian_noise_multiplier
 from dporl.eval.ope_result import OPEResult
 from dporl.eval.ope_scales import OPEScales
-from dporl.privacy.count import Units
+from dporl.privacy.count import Units, check_cells_hold_units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition
 from dporl.privacy.randomness import SecretRoot
@@ -159,6 +159,29 @@ def resolve_estimator(config: OfflineEvalConfig, dataset: TrajectoryDataset) -> 
     return config.estimator
 
 
+def planned_cells(config: OfflineEvalConfig, estimator: str) -> dict[str, float]:
+    """The cells of the partition an evaluation by ``estimator`` (resolved) splits the units into, {name: share}
+    (empty: no partition). Config only."""
+    if estimator == "none":
+        return {}
+    h = config.holdout
+    cells: dict[str, float] = {TRAIN_CELL: 1 - h} if config.held_out else {}
+    share = h if config.held_out else 1.0
+    if estimator == "fqe":
+        cells.update({f"evaluate{i}": share / config.folds for i in range(config.folds)})
+    elif estimator == "dr":
+        cells.update({"model": share / 2, "estimate": share / 2})
+    elif config.held_out:
+        cells["evaluate"] = h
+    return cells if len(cells) >= 2 else {}
+
+
+def splits_units(config: OfflineEvalConfig, dataset: TrajectoryDataset) -> bool:
+    """Whether an evaluation of ``config`` on ``dataset`` splits the units into cells (public: the config and
+    whether the data log propensities)."""
+    return bool(planned_cells(config, resolve_estimator(config, dataset)))
+
+
 def plan_evaluation(
     config: OfflineEvalConfig,
     dataset: TrajectoryDataset,
@@ -177,16 +200,8 @@ def plan_evaluation(
         return EvaluationPlan("none", None, None, None, train_budget)
     scales = config.scales(gamma)
     clip = scales.unit_clip("fqe" if estimator == "fqe" else estimator, config.unit_clip, FIELD + "unit_clip")
-    h = config.holdout
-    cells: dict[str, float] = {TRAIN_CELL: 1 - h} if config.held_out else {}
-    share = h if config.held_out else 1.0
-    if estimator == "fqe":
-        cells.update({f"evaluate{i}": share / config.folds for i in range(config.folds)})
-    elif estimator == "dr":
-        cells.update({"model": share / 2, "estimate": share / 2})
-    elif config.held_out:
-        cells["evaluate"] = h
-    partition = UnitPartition(config.salt, cells) if len(cells) >= 2 else None
+    cells = planned_cells(config, estimator)
+    partition = UnitPartition(config.salt, cells) if cells else None
     if config.held_out:
         budget = (run_budget[0] if config.epsilon is None else config.epsilon,
                   run_budget[1] if config.delta is None else config.delta)
@@ -215,13 +230,22 @@ def plan_evaluation(
 
 
 def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset, relation=ADD_REMOVE) -> dict[str, TrajectoryDataset]:
-    """Every cell's dataset (a cell without units is refused by name, before anything is spent)."""
+    """Every cell's dataset. Under replace-one (the counts are public) a cell without units is refused by name,
+    before anything is spent; under add/remove whether a cell is empty is private, and an empty cell is a dataset of
+    no units here: the run decides from its released count (``check_cell_counts``, after the count)."""
     if plan.partition is None:
         return {}
-    parts = plan.partition.split(dataset)
+    parts = plan.partition.split(dataset, allow_empty=relation == ADD_REMOVE)
     if plan.estimator in ("wis", "pdis", "dr"):  # the noise multipliers are public functions of the budget
         gaussian_noise_multiplier(*plan.budget, relation)
     return parts
+
+
+def check_cell_counts(plan: EvaluationPlan, units: Units, remedy: str = "") -> None:
+    """Refuse, by name, a run whose cells may hold no unit, from ``units`` (the released count's lower bound per
+    cell, or the public counts): ``dporl.privacy.count.check_cells_hold_units``."""
+    if plan.partition is not None:
+        check_cells_hold_units(units, dict(plan.partition.cells), "eval.offline.holdout", remedy)
 
 
 def predict_noise(plan: EvaluationPlan, config: OfflineEvalConfig, units: Units, dataset: TrajectoryDataset,
@@ -277,7 +301,7 @@ def evaluate_offline(
                   scales=plan.scales, tolerance=config.tolerance)
     cells = plan.evaluation_cells()
     if plan.estimator in ("wis", "pdis"):
-        held = plan.partition.split(dataset)["evaluate"] if plan.partition is not None else dataset
+        held = plan.partition.split(dataset, allow_empty=True)["evaluate"] if plan.partition is not None else dataset
         # (its feasibility was checked before training: ``check_noise``)
         return dp_importance_sampling(held, policy, epsilon=eps, delta=delta, kind=plan.estimator, gamma=gamma,
                                       cells=cells or None, **common)
@@ -285,7 +309,7 @@ def evaluate_offline(
         return dp_fqe(dataset, policy, epsilon=eps, delta=delta, run_dir=work_dir, training=config.fqe, gamma=gamma,
                       fold_cells=cells, stage="fqe", units=units, **common)
     if plan.estimator == "dr":
-        parts = plan.partition.split(dataset)
+        parts = plan.partition.split(dataset, allow_empty=True)
         training = scaled_training(config.fqe, plan.scales, gamma)
         model = fit_dp_fqe(parts["model"], policy, epsilon=eps, delta=delta, ledger=ledger, root=root,
                            run_dir=work_dir / "model", stage="dr/model", cells=["model"], training=training,

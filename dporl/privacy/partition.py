@@ -84,14 +84,19 @@ class UnitPartition:
         """The cell index of every unit of ``dataset`` [n_units], from the units' own ids."""
         return self.cell_of_keys(dataset.metadata.unit_key_strings())
 
-    def split(self, dataset: TrajectoryDataset) -> dict[str, TrajectoryDataset]:
-        """Every cell's episodes, as a dataset over that cell's units only (units re-indexed, keys kept)."""
+    def split(self, dataset: TrajectoryDataset, allow_empty: bool = False) -> dict[str, TrajectoryDataset]:
+        """Every cell's episodes, as a dataset over that cell's units only (units re-indexed, keys kept).
+
+        A cell without units is refused by name unless ``allow_empty`` (it is then a dataset of no units). Whether a
+        cell is empty is a fact of the private data under add/remove neighbours: a run refuses on it only where the
+        number of units is public (replace-one); an add/remove run splits with ``allow_empty`` and decides from its
+        released count of each cell (``dporl.privacy.count.check_cells_hold_units``)."""
         unit_cell = self.cell_of_units(dataset)
         keys = np.asarray(dataset.metadata.unit_key_strings(), dtype=object)
         result = {}
         for index, name in enumerate(self.names):
             members = np.flatnonzero(unit_cell == index)
-            if len(members) == 0:
+            if len(members) == 0 and not allow_empty:
                 raise ValidationError("partition", f"cell {name!r} holds no unit: too few units for this split")
             remap = np.full(dataset.n_units, -1, dtype=np.int64)
             remap[members] = np.arange(len(members))
