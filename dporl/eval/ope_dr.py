@@ -62,13 +62,12 @@ def dp_doubly_robust(
         raise ValidationError("partition", "the DR split needs cells 'estimate' and 'model'")
     parts = partition.split(dataset, allow_empty=ledger.relation == ADD_REMOVE)  # (private under add/remove)
     training = scaled_training(training, scales, gamma)
-    found = fold_counts(ledger, root, {"model": parts["model"]}, units, epsilon, count_fraction, "dr", training, delta)
+    found = fold_counts(ledger, root, {"model": parts["model"]}, units, epsilon, count_fraction, "dr", training)
     counts, model_epsilon = found.counts, found.epsilon_left
-    model_delta = delta if found.delta_left is None else found.delta_left
     estimate_units = None
     if units is not None:
         estimate_units = units.of("estimate") if hasattr(units, "of") else float(units["estimate"])
-    model = fit_dp_fqe(parts["model"], policy, epsilon=model_epsilon, delta=model_delta, ledger=ledger, root=root,
+    model = fit_dp_fqe(parts["model"], policy, epsilon=model_epsilon, delta=delta, ledger=ledger, root=root,
                        run_dir=Path(run_dir) / "model", stage="dr/model", cells=["model"], training=training,
                        units=counts["model"], length_cap=scales.horizon)
     result = dp_importance_sampling(

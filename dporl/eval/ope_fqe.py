@@ -44,7 +44,7 @@ from dporl.eval.ope_policies import action_probabilities, logged_action_probabil
 from dporl.eval.ope_release import dpsgd_mechanism, dpsgd_noise_multiplier, open_stage, per_unit, release_sums, unit_rows
 from dporl.eval.ope_result import OPEResult, finish
 from dporl.eval.ope_scales import OPEScales
-from dporl.privacy.count import LOWER_BOUND_FAILURE, CountPlan, Units, check_cells_hold_units, release_count
+from dporl.privacy.count import CountPlan, release_count
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import fold_partition
 from dporl.privacy.randomness import SecretRoot
@@ -111,45 +111,32 @@ def fqe_normaliser(training: FQETraining, units: Optional[float], what: str = "f
 
 @dataclass(frozen=True)
 class FoldCounts:
-    """Each fold's count for DP-FQE's normaliser (None: a public normaliser), what is left of each fold's epsilon
-    and delta, and the privacy of the counts (None: exact, public counts)."""
+    """Each fold's count for DP-FQE's normaliser (None: a public normaliser), what is left of each fold's epsilon,
+    and the privacy of the counts (None: exact, public counts)."""
 
     counts: dict[str, Optional[float]]
     epsilon_left: float
     count_epsilon: Optional[float] = None
-    delta_left: Optional[float] = None  # None: the whole delta (no lower bound charged here)
 
 
 def fold_counts(ledger: PrivacyLedger, root: SecretRoot, parts: dict[str, TrajectoryDataset], units: Optional[Any],
-                epsilon: float, count_fraction: float, stage: str, training: FQETraining,
-                delta: Optional[float] = None) -> FoldCounts:
+                epsilon: float, count_fraction: float, stage: str, training: FQETraining) -> FoldCounts:
     """A public normaliser or given counts cost nothing; otherwise one count per fold is released (parallel: one
-    stage over the folds' cells) with ``count_fraction`` of epsilon and, given ``delta``, the charged failure of the
-    lower bounds that say each fold holds units (``LOWER_BOUND_FAILURE`` of it, twice, out of ``delta``). Whether a
-    fold holds units is decided from released or public counts only (``check_cells_hold_units``): under add/remove an
-    empty fold is private, and a refusal on it would tell a fold of one unit from its neighbour's empty one."""
-    shares = {cell: 1.0 / len(parts) for cell in parts}
-    if ledger.unit_partition is not None and set(parts) <= set(ledger.unit_partition.names):
-        shares = {cell: dict(ledger.unit_partition.cells)[cell] for cell in parts}
-    if training.expected_units is not None:  # a public normaliser: nothing to count (an empty fold is noise only)
+    stage over the folds' cells) with ``count_fraction`` of epsilon. Whether a fold is empty is private under
+    add/remove: an empty fold is DP-FQE over no units (``dporl.privacy.count``), never a refusal."""
+    if training.expected_units is not None:
         return FoldCounts({cell: None for cell in parts}, epsilon)
     if units is not None:
-        if isinstance(units, Units):
-            check_cells_hold_units(units, shares, "units")
         return FoldCounts({cell: (units.of(cell) if hasattr(units, "of") else float(units[cell])) for cell in parts},
                           epsilon, getattr(units, "epsilon", None) if getattr(units, "released", False) else None)
     if ledger.relation != ADD_REMOVE:  # replace-one: the number of units is public
         return FoldCounts({cell: float(part.n_units) for cell, part in parts.items()}, epsilon)
     check_probability("count_fraction", count_fraction, allow_zero=False, allow_one=False)
-    failure = 0.0 if delta is None else LOWER_BOUND_FAILURE * delta
-    plan = CountPlan(count_fraction * epsilon, tuple(parts), failure)
+    plan = CountPlan(count_fraction * epsilon, tuple(parts))
     unit = dataset_unit(next(iter(parts.values())))
     released = release_count(plan, {cell: part.n_units for cell, part in parts.items()}, ledger=ledger, root=root,
                              unit=unit, stage=f"{stage}/count")
-    if failure > 0:
-        check_cells_hold_units(released.units(), shares, "count_fraction")
-    return FoldCounts({cell: float(released.counts[cell]) for cell in parts}, epsilon - plan.epsilon, plan.epsilon,
-                      None if delta is None else delta - plan.budget[1])
+    return FoldCounts({cell: float(released.counts[cell]) for cell in parts}, epsilon - plan.epsilon, plan.epsilon)
 
 
 TARGET_MARGIN = 1.0  # TD targets are clipped to the value range widened by this many widths on each side
@@ -237,8 +224,8 @@ def row_weights(dataset: TrajectoryDataset, length_cap: int) -> torch.Tensor:
 
 
 def _fold_parts(dataset, ledger, folds, salt, stage, fold_cells) -> dict[str, TrajectoryDataset]:
-    """The folds' datasets. Under add/remove an empty fold is a dataset of no units (whether it is empty is private:
-    ``fold_counts`` decides from released counts); under replace-one it is refused here (the counts are public)."""
+    """The folds' datasets. Under add/remove an empty fold is a dataset of no units (whether it is empty is private,
+    ``dporl.privacy.count``); under replace-one it is refused here (the counts are public)."""
     empty = ledger.relation == ADD_REMOVE
     if fold_cells is None:
         return ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold")).split(dataset, empty)
@@ -318,9 +305,8 @@ def dp_fqe(
     clip = scales.unit_clip("fqe", unit_clip)
     training = scaled_training(training, scales, gamma)
     parts = _fold_parts(dataset, ledger, folds, salt, stage, fold_cells)
-    found = fold_counts(ledger, root, parts, units, epsilon, count_fraction, stage, training, delta)
+    found = fold_counts(ledger, root, parts, units, epsilon, count_fraction, stage, training)
     counts, epsilon = found.counts, found.epsilon_left
-    delta = delta if found.delta_left is None else found.delta_left
     if all(c is not None for c in counts.values()):
         fold_units = sum(counts.values())
         high = (None if found.count_epsilon is None else

@@ -56,15 +56,13 @@ class UnitLevelMethod:
             return {RELEASE_STAGE: (eps1, delta / 2), TRAIN_STAGE: (epsilon - eps1, delta / 2)}
         return {RELEASE_STAGE if self.release else TRAIN_STAGE: (epsilon, delta)}
 
-    def count_budget(self, epsilon: float, delta: float, count_fraction: float, cells: bool = False
-                     ) -> Optional[Budget]:
+    def count_budget(self, epsilon: float, delta: float, count_fraction: float) -> Optional[Budget]:
         """(epsilon, delta) of the private count of the units under add/remove neighbours (None for a run without
-        a guarantee). Its delta is the charged failure of the lower bounds the run checks on the count: the
-        stable-prefix precondition's (a release), the cells' that must hold units (``cells``: the run splits its
-        units into cells of a partition); one failure covers both (``dporl.privacy.count``); 0 without either."""
+        a guarantee). Its delta is the charged failure of the lower bound the stable-prefix precondition is checked
+        on: 0 without a release."""
         if not self.private:
             return None
-        failure = LOWER_BOUND_FAILURE * delta if self.release or cells else 0.0
+        failure = LOWER_BOUND_FAILURE * delta if self.release else 0.0
         return count_fraction * epsilon, 2 * failure
 
     def shares_run_budget(self, fresh_release: bool, counted: bool) -> bool:

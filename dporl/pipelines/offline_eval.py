@@ -159,29 +159,6 @@ def resolve_estimator(config: OfflineEvalConfig, dataset: TrajectoryDataset) -> 
     return config.estimator
 
 
-def planned_cells(config: OfflineEvalConfig, estimator: str) -> dict[str, float]:
-    """The cells of the partition an evaluation by ``estimator`` (resolved) splits the units into, {name: share}
-    (empty: no partition). Config only."""
-    if estimator == "none":
-        return {}
-    h = config.holdout
-    cells: dict[str, float] = {TRAIN_CELL: 1 - h} if config.held_out else {}
-    share = h if config.held_out else 1.0
-    if estimator == "fqe":
-        cells.update({f"evaluate{i}": share / config.folds for i in range(config.folds)})
-    elif estimator == "dr":
-        cells.update({"model": share / 2, "estimate": share / 2})
-    elif config.held_out:
-        cells["evaluate"] = h
-    return cells if len(cells) >= 2 else {}
-
-
-def splits_units(config: OfflineEvalConfig, dataset: TrajectoryDataset) -> bool:
-    """Whether an evaluation of ``config`` on ``dataset`` splits the units into cells (public: the config and
-    whether the data log propensities)."""
-    return bool(planned_cells(config, resolve_estimator(config, dataset)))
-
-
 def plan_evaluation(
     config: OfflineEvalConfig,
     dataset: TrajectoryDataset,
@@ -200,8 +177,16 @@ def plan_evaluation(
         return EvaluationPlan("none", None, None, None, train_budget)
     scales = config.scales(gamma)
     clip = scales.unit_clip("fqe" if estimator == "fqe" else estimator, config.unit_clip, FIELD + "unit_clip")
-    cells = planned_cells(config, estimator)
-    partition = UnitPartition(config.salt, cells) if cells else None
+    h = config.holdout
+    cells: dict[str, float] = {TRAIN_CELL: 1 - h} if config.held_out else {}
+    share = h if config.held_out else 1.0
+    if estimator == "fqe":
+        cells.update({f"evaluate{i}": share / config.folds for i in range(config.folds)})
+    elif estimator == "dr":
+        cells.update({"model": share / 2, "estimate": share / 2})
+    elif config.held_out:
+        cells["evaluate"] = h
+    partition = UnitPartition(config.salt, cells) if len(cells) >= 2 else None
     if config.held_out:
         budget = (run_budget[0] if config.epsilon is None else config.epsilon,
                   run_budget[1] if config.delta is None else config.delta)
@@ -231,8 +216,9 @@ def plan_evaluation(
 
 def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset, relation=ADD_REMOVE) -> dict[str, TrajectoryDataset]:
     """Every cell's dataset. Under replace-one (the counts are public) a cell without units is refused by name,
-    before anything is spent; under add/remove whether a cell is empty is private, and an empty cell is a dataset of
-    no units here: the run decides from its released count (``check_cell_counts``, after the count)."""
+    before anything is spent; under add/remove whether a cell is empty is private, so an empty cell is a dataset of
+    no units here (its mechanisms run over no units), and the run refuses a cell only on its released count
+    (``check_cell_counts``, after the count)."""
     if plan.partition is None:
         return {}
     parts = plan.partition.split(dataset, allow_empty=relation == ADD_REMOVE)
@@ -242,8 +228,8 @@ def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset, relation=ADD_R
 
 
 def check_cell_counts(plan: EvaluationPlan, units: Units, remedy: str = "") -> None:
-    """Refuse, by name, a run whose cells may hold no unit, from ``units`` (the released count's lower bound per
-    cell, or the public counts): ``dporl.privacy.count.check_cells_hold_units``."""
+    """Refuse, by name, a run with a cell whose count in ``units`` (released, or public under replace-one) is below
+    one: ``dporl.privacy.count.check_cells_hold_units``."""
     if plan.partition is not None:
         check_cells_hold_units(units, dict(plan.partition.cells), "eval.offline.holdout", remedy)
 
@@ -295,7 +281,8 @@ def evaluate_offline(
     units: Optional[Units] = None,
 ) -> OPEResult:
     """Run the planned estimator on the evaluation cells (the ledger holds ``plan.partition`` already). ``units``:
-    the run's counts per cell (released, or public under replace-one), DP-FQE's normalisers."""
+    the run's counts per cell (released, or public under replace-one), DP-FQE's normalisers. A cell without units
+    (add/remove: private, ``check_cells``) is estimated over no units."""
     eps, delta = plan.budget
     common = dict(ledger=ledger, root=root, unit_clip=plan.unit_clip, confidence=config.confidence,
                   scales=plan.scales, tolerance=config.tolerance)

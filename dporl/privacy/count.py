@@ -35,15 +35,15 @@ neighbour it is compared with) is made on L - 1 instead:
   <= beta. Otherwise only m~ and "refused" are released, eps-DP. So for every epsilon' the pair's hockey-stick
   divergence is at most that of the other events plus beta.
 
-Cells that must hold units. A run whose partition has cells it computes on (held-out evaluation cells, DP-FQE's
-folds) cannot refuse on whether a cell is empty: under add/remove a cell holding one unit in D is empty in D minus
-that unit, and "ran" against "refused" would tell them apart every time. It decides from the released count instead
-(``check_cells_hold_units``): a cell is usable when its own lower bound, less one, is at least one unit. This is the
-check above with m_crit = 1 and the premise "the cell holds a unit in D and in D'": a pair that violates it has at
-most one unit in the cell on either side, and passing needs Z_c > t on whichever side runs (probability <= beta).
-Per-cell bounds use the same margin as the total's (``ReleasedCount.margin``: t for failure / cells per cell), so a
-run that relies on both (a precondition on the total and cells that must hold units) relies on ONE event, every
-Z_c <= t, whose complement has probability <= beta: one failure covers both (a union bound over the cells).
+Cells without units. Under add/remove whether a cell of a partition holds any unit is private: a cell of one unit
+in D is empty in D minus that unit, so a run that refused an empty cell would tell the two apart every time.
+``UnitPartition.split`` therefore gives an empty cell as a dataset of no units, and every mechanism a run applies to
+a cell is the same mechanism over zero units (DP-SGD steps of noise only, noisy sums of nothing, whose released
+denominators then say "no estimate"): defined, and covered by that mechanism's own analysis. A run refuses a cell
+only on its released count (``check_cells_hold_units``: m~_c < 1), a function of a released value: nothing is
+charged for it. (A lower confidence bound per cell, as for the stable-prefix precondition, would also be sound, but
+it guards nothing here and its margin is large: at the default count epsilon 0.01 and beta = 0.005 delta it is
+about 1800 units per cell, which would refuse held-out cells of a thousand units.)
 
 The failure probability is charged to the count stage as ``ApproxDPEvent(0, 2 beta)`` (``CountPlan.events``):
 composed by PLD a (0, b) event adds b (1 - delta_rest) >= b / 2 at any reported delta <= 1/2, so 2 beta covers the
@@ -146,9 +146,6 @@ class Units:
     released: bool
     epsilon: Optional[float] = None  # the count's (released only)
     failure: float = 0.0
-    # each cell's lower bound, holding jointly with ``lower`` except with probability ``failure`` (released only;
-    # None: the count was planned without one)
-    cell_lower: Optional[Mapping[str, float]] = None
 
     @property
     def total(self) -> float:
@@ -161,16 +158,6 @@ class Units:
         if cell not in self.cells:
             raise ValidationError("count.cell", f"no count for cell {cell!r} (cells: {sorted(self.cells)})")
         return float(self.cells[cell])
-
-    def cell_floor(self, cell: str) -> float:
-        """The fewest units ``cell`` may hold in the data AND in its neighbour, as far as the run may rely on it: the
-        public count (replace-one), else the cell's released lower bound less one (-inf without one)."""
-        if not self.released:
-            return self.of(cell)
-        if self.cell_lower is None:
-            return -math.inf
-        self.of(cell)  # (refuses an unknown cell by name)
-        return float(self.cell_lower[cell]) - 1
 
     def describe(self, cell: Optional[str] = None) -> str:
         """How a refusal names the count it used."""
@@ -200,29 +187,18 @@ class ReleasedCount:
     def total(self) -> int:
         return int(sum(self.counts.values()))
 
-    def margin(self) -> int:
-        """t: every cell's noise Z_c is <= t except with probability ``failure`` in all (a union bound over the cells:
-        each cell's Z_c > t with probability <= failure / cells)."""
+    def lower_bound(self) -> int:
+        """L with P[true total < L] <= failure (the total's noise is the sum of the cells'; bounded by a union bound
+        over the cells: each cell's Z_c > t with failure / cells)."""
         if self.failure <= 0:
             raise ValidationError("count.failure", "this count was planned without a lower bound (failure 0)")
-        return tail_margin(self.epsilon, self.failure / len(self.counts))
-
-    def lower_bound(self) -> int:
-        """L with P[true total < L] <= failure (the total's noise is the sum of the cells', each <= ``margin``)."""
-        return self.total - len(self.counts) * self.margin()
-
-    def cell_lower_bounds(self) -> dict[str, int]:
-        """Each cell's L_c = m~_c - t: every true cell count is >= its L_c, and the total >= ``lower_bound``, all
-        together except with probability ``failure`` (the same event: every Z_c <= t)."""
-        t = self.margin()
-        return {name: int(value) - t for name, value in self.counts.items()}
+        per_cell = self.failure / len(self.counts)
+        return self.total - len(self.counts) * tail_margin(self.epsilon, per_cell)
 
     def units(self) -> Units:
-        bounded = self.failure > 0
-        return Units({k: float(v) for k, v in self.counts.items()},
-                     float(self.lower_bound()) if bounded else -math.inf, released=True, epsilon=self.epsilon,
-                     failure=self.failure,
-                     cell_lower={k: float(v) for k, v in self.cell_lower_bounds().items()} if bounded else None)
+        lower = self.lower_bound() if self.failure > 0 else -math.inf
+        return Units({k: float(v) for k, v in self.counts.items()}, float(lower), released=True,
+                     epsilon=self.epsilon, failure=self.failure)
 
     def to_dict(self) -> dict[str, Any]:
         """The released fields (``privacy_report.json``: ``stages[name=unit_count].released``)."""
@@ -255,33 +231,25 @@ class ReleasedCount:
 
 def check_cells_hold_units(units: Units, fractions: Mapping[str, float], field: str = "partition",
                            remedy: str = "") -> None:
-    """Refuse, by name, a cell of ``fractions`` ({cell: its share of the units}) that may hold no unit: its
-    ``Units.cell_floor`` (released: the cell's lower bound less one; public: its count) is below one (module
-    docstring). The refusal is a function of the released count (or of public counts): it says how large a count,
-    how many units in all, or (released) how large a count epsilon the cell would need. ``remedy``: another way out
-    (appended)."""
+    """Refuse, by name, a cell of ``fractions`` ({cell: its share of the units}) whose count in ``units`` is below
+    one: the released estimate m~_c under add/remove (a function of the released count: module docstring, "Cells
+    without units"), the public count under replace-one. The refusal says how many units in all would put a count of
+    one plus three noise standard deviations in the cell, and that a larger count epsilon lowers the noise; its words
+    do not depend on the count. ``remedy``: another way out (appended)."""
     for cell, fraction in fractions.items():
-        floor = units.cell_floor(cell)
-        if floor >= 1:
+        count = units.of(cell)
+        if count >= 1:
             continue
         if not units.released:
             raise ValidationError(field, f"cell {cell!r} holds no unit ({units.describe(cell)}): too few units for "
                                   f"this split (the cell takes a share {fraction:.3g} of the units){remedy}")
-        if units.cell_lower is None:
-            raise ValidationError(field, f"cell {cell!r} must hold units, and the released count of the units was "
-                                  "released without a lower bound (failure 0): nothing shows it is not empty; release "
-                                  f"the count with a lower bound{remedy}")
-        margin = float(units.of(cell)) - float(units.cell_lower[cell])
-        needed = margin + 2  # m~_c - t - 1 >= 1
-        # P[Z > k] <= exp(-eps (k + 1)): at a count epsilon eps' the margin is at most ln(1 / beta') / eps'
-        scale = math.log(len(units.cells) / units.failure)
+        spread = math.sqrt(2.0) / units.epsilon  # the standard deviation of the count's discrete Laplace noise
+        wanted = 1.0 + 3.0 * spread
         raise ValidationError(
-            field, f"cell {cell!r} may hold no unit: the lower confidence bound of its released count, less one, is "
-            f"{floor:g} < 1 ({units.describe(cell)}; the bound holds except with probability {units.failure:g}, its "
-            f"margin is {margin:g}). The cell needs a released count of at least {needed:g}: about "
-            f"{needed / fraction:.0f} units in all at its share {fraction:.3g} of the units; or a larger "
-            f"count_fraction (the count's share of epsilon): at a count epsilon eps' the margin is at most "
-            f"{scale:.3g} / eps' units, here eps' = {units.epsilon:g}{remedy}"
+            field, f"cell {cell!r} holds no unit by the released count ({units.describe(cell)} < 1): too few units "
+            f"for this split. The cell takes a share {fraction:.3g} of the units: about {math.ceil(wanted / fraction)} "
+            f"units in all put {wanted:.4g} in it (one unit plus three standard deviations {spread:.4g} of the "
+            f"count's noise); or a larger count_fraction (the count's share of epsilon: less noise){remedy}"
         )
 
 

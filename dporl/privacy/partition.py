@@ -89,8 +89,9 @@ class UnitPartition:
 
         A cell without units is refused by name unless ``allow_empty`` (it is then a dataset of no units). Whether a
         cell is empty is a fact of the private data under add/remove neighbours: a run refuses on it only where the
-        number of units is public (replace-one); an add/remove run splits with ``allow_empty`` and decides from its
-        released count of each cell (``dporl.privacy.count.check_cells_hold_units``)."""
+        number of units is public (replace-one); an add/remove run splits with ``allow_empty``, runs its mechanisms
+        over an empty cell's no units, and refuses a cell only on its released count
+        (``dporl.privacy.count.check_cells_hold_units``)."""
         unit_cell = self.cell_of_units(dataset)
         keys = np.asarray(dataset.metadata.unit_key_strings(), dtype=object)
         result = {}

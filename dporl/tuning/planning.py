@@ -214,15 +214,9 @@ class TrainTrials:
         of the trials' evaluation partition, with the failure of its lower bound when the release checks one."""
         from dporl.pipelines.train import training_plan
 
-        return config.count_plan(training_plan(config, dataset)[2])
-
-    def stage_budgets(self, config, dataset) -> dict[str, tuple[float, float]]:
-        """The search's stages (``config``: the base at the search's budget): the count's, as ``count_plan`` plans
-        it (with the lower bound its trials' cells rely on), and what it leaves."""
-        from dporl.pipelines.train import training_plan
-
-        plan = training_plan(config, dataset)[2]
-        return config.stage_budgets(plan is not None and plan.partition is not None)
+        _, _, plan = training_plan(config, dataset)
+        epsilon, delta = config.count_budget()
+        return CountPlan(epsilon, None if plan is None or plan.partition is None else plan.partition.names, delta / 2)
 
     def plan_release(self, config, loaded: LoadedData):
         """The search's release plan (``config``: the base at the search's budget; every refusal of the release,
@@ -272,7 +266,6 @@ class TrainTrials:
         from dporl.algos.expert_sources import expert_source
         from dporl.eval.private_ope import dpsgd_mechanism, gaussian_noise_multiplier
         from dporl.pipelines.train import TRAIN_STAGE, training_noise, training_plan
-        from dporl.pipelines.train.planning import released_units
         from dporl.privacy.calibration import calibrate_noise_multiplier, max_steps
         from dporl.privacy.relations import ADD_REMOVE
 
@@ -280,7 +273,8 @@ class TrainTrials:
         self.check_base(base)
         _, train_data, plan = training_plan(base, dataset)
         cells = () if plan is None or plan.partition is None else tuple(plan.partition.names)
-        units = released_units(base.released_count, cells or None)
+        units = ReleasedCount.from_dict(base.released_count, CountPlan(base.released_count["epsilon"], cells or None)
+                                        ).units()
         held_out = plan is not None and plan.train_cells is not None
         private = expert_source(train_data, base.batch_size, base.dp.rows_per_unit, units,
                                 "train" if held_out else None, base.algorithm.algorithm.batch_keys)

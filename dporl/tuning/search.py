@@ -96,6 +96,7 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
     epsilon = config.epsilon if tune.epsilon is None else tune.epsilon
     delta = config.delta if tune.delta is None else tune.delta
     at_budget = kind.config({**base, "epsilon": epsilon, "delta": delta})  # the search's stages: count, release, trials
+    budgets = at_budget.stage_budgets()
     run_dir = tune.run_dir or f"{config.run_dir.rstrip('/')}_tune"
     search_config = {"base": to_dict(config), "tune": to_dict(tune), "budget": [epsilon, delta]}
     run = RunDirectory(run_dir, pipeline=PIPELINE, config=search_config, mode=mode)
@@ -126,7 +127,6 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
               f"{public.get('runs')} runs, {public.get('stable_transitions')} transitions in D_stable")
 
     # 3. plan every privacy class, calibrate the trial budget, build the one search event
-    budgets = kind.stage_budgets(at_budget, loaded.dataset)  # (the count's share as count_plan planned it)
     count = tune.trials.count()
     # What the count (and the release) leave of the search's budget; nothing when the trials spend nothing.
     selection_budget, selection_delta = budgets.get(TRAIN_STAGE, (0.0, 0.0))

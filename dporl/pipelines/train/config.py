@@ -158,38 +158,33 @@ class TrainPipelineConfig:
     def neighbours(self) -> Relation:
         return Relation.ADD_REMOVE if self.relation == "add_remove" else Relation.REPLACE_ONE
 
-    def count_budget(self, cells: bool = False) -> Optional[Budget]:
+    def count_budget(self) -> Optional[Budget]:
         """(epsilon, delta) of the private count of the units: add/remove runs with a guarantee that release no count
-        given before the run (``released_count``) only. ``cells``: the run splits its units into the cells of a
-        partition (its offline evaluation's), each of which must hold units: the count then has a lower bound
-        whose failure it charges (``dporl.privacy.count``)."""
+        given before the run (``released_count``) only."""
         if self.relation != "add_remove" or self.released_count is not None:
             return None
-        return self.method_spec.count_budget(self.epsilon, self.delta, self.count_fraction, cells)
+        return self.method_spec.count_budget(self.epsilon, self.delta, self.count_fraction)
 
-    def spendable(self, cells: bool = False) -> Budget:
-        """The run budget less the count's share: what the release, training and evaluation divide (``cells``: as
-        in ``count_budget``)."""
-        count = self.count_budget(cells) or (0.0, 0.0)
+    def spendable(self) -> Budget:
+        """The run budget less the count's share: what the release, training and evaluation divide."""
+        count = self.count_budget() or (0.0, 0.0)
         return self.epsilon - count[0], self.delta - count[1]
 
-    def stage_budgets(self, cells: bool = False) -> dict[str, Budget]:
-        """(epsilon, delta) of each private stage this method runs (the count first, when there is one; ``cells``:
-        as in ``count_budget``)."""
-        count = self.count_budget(cells)
+    def stage_budgets(self) -> dict[str, Budget]:
+        """(epsilon, delta) of each private stage this method runs (the count first, when there is one)."""
+        count = self.count_budget()
         budgets = {} if count is None else {COUNT_STAGE: count}
-        stages = self.method_spec.stage_budgets(*self.spendable(cells), self.release_fraction)
+        stages = self.method_spec.stage_budgets(*self.spendable(), self.release_fraction)
         if self.released_stable is not None:  # released (and accounted) before the run: training takes it all
-            stages = {TRAIN_STAGE: self.spendable(cells)} if TRAIN_STAGE in stages else {}
+            stages = {TRAIN_STAGE: self.spendable()} if TRAIN_STAGE in stages else {}
         return {**budgets, **stages}
 
     def count_plan(self, plan: Optional[EvaluationPlan]) -> Optional[CountPlan]:
-        """The count this run releases (None without one): one per cell of the evaluation's partition, with the
-        lower bound the release's precondition and the cells rely on."""
-        cells = None if plan is None or plan.partition is None else plan.partition.names
-        count = self.count_budget(cells is not None)
+        """The count this run releases (None without one): one per cell of the evaluation's partition."""
+        count = self.count_budget()
         if count is None:
             return None
+        cells = None if plan is None or plan.partition is None else plan.partition.names
         return CountPlan(count[0], cells, count[1] / 2)
 
     def discount(self) -> Optional[float]:

@@ -13,7 +13,7 @@ from dporl.data.dataset import TrajectoryDataset
 from dporl.envs.registry import check_env_id, is_registered, make_vec
 from dporl.eval.returns import evaluate_returns
 from dporl.methods.unit_level import TRAIN_STAGE
-from dporl.pipelines.offline_eval import EvaluationPlan, check_cells, evaluate_offline, plan_evaluation, splits_units
+from dporl.pipelines.offline_eval import EvaluationPlan, check_cells, evaluate_offline, plan_evaluation
 from dporl.pipelines.offline_eval import stage_names as evaluation_stages
 from dporl.pipelines.train.config import EvalConfig, TrainPipelineConfig
 from dporl.privacy.count import Units
@@ -62,15 +62,14 @@ def evaluation_plan(config: TrainPipelineConfig, dataset: TrajectoryDataset, env
     if gamma is None and config.eval.offline.estimator != "none":  # the value range derives from it
         raise ValidationError("eval.gamma", f"algorithm {config.algorithm.name!r} has no discount: give eval.gamma, the "
                               "discount of the policy value the offline evaluation releases")
-    cells = splits_units(config.eval.offline, dataset)  # the count then charges its cells' lower bounds
-    return plan_evaluation(config.eval.offline, dataset, config.spendable(cells),
-                           config.stage_budgets(cells).get(TRAIN_STAGE), gamma)
+    return plan_evaluation(config.eval.offline, dataset, config.spendable(), config.stage_budgets().get(TRAIN_STAGE),
+                           gamma)
 
 
 def resolved_budgets(config: TrainPipelineConfig, plan: Optional[EvaluationPlan]) -> dict[str, tuple[float, float]]:
     """Each private stage's budget once the evaluation is planned (reusing the training units for a private
-    evaluation takes its budget out of training's; cells that must hold units charge the count's lower bound)."""
-    budgets = config.stage_budgets(plan is not None and plan.partition is not None)
+    evaluation takes its budget out of training's)."""
+    budgets = config.stage_budgets()
     if plan is not None and TRAIN_STAGE in budgets:
         budgets[TRAIN_STAGE] = plan.train_budget
     return budgets

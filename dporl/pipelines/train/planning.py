@@ -87,7 +87,7 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
         eps1, delta1 = budgets[RELEASE_STAGE]
         release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release,
                                defer_precondition=True, relation=config.neighbours)
-    # Under add/remove an empty cell is no refusal here: whether a cell holds units is private (``after_count``).
+    # Under add/remove an empty cell is no refusal here (whether a cell holds units is private): ``after_count``.
     parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     held_out = plan is not None and plan.train_cells is not None
     checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
@@ -102,29 +102,20 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
         return replace(checked, units=units, sigma=after_count(config, budgets, checked, units, plan))
     if budgets and config.released_count is not None:  # released (and accounted) before the run: every check now
         cells = None if plan is None or plan.partition is None else plan.partition.names
-        units = released_units(config.released_count, cells)
+        units = ReleasedCount.from_dict(config.released_count,
+                                        CountPlan(config.released_count.get("epsilon"), cells)).units()
         return replace(checked, units=units, sigma=after_count(config, budgets, checked, units, plan))
     return checked
-
-
-def released_units(released: dict[str, Any], cells: Optional[tuple[str, ...]]) -> Units:
-    """The units of a count released before the run (``released_count``), with the lower bound it was released
-    with (its ``lower_bound_failure``, charged by the ledger that released it)."""
-    if not isinstance(released, dict):
-        raise ValidationError("released_count", f"not a released count: {released!r}")
-    failure = released.get("lower_bound_failure") or 0.0
-    return ReleasedCount.from_dict(released, CountPlan(released.get("epsilon"), cells, failure)).units()
 
 
 def after_count(config: TrainPipelineConfig, budgets: Budgets, checked: Checked, units: Units,
                 plan: Optional[EvaluationPlan]) -> Optional[float]:
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
-    the cells that must hold units, the evaluation's predicted noise, delta < 1/n, the release's precondition, the
-    batch size, and the training noise (None without training)."""
-    if plan is not None:  # every cell holds units: on the released count's lower bounds (or the public counts)
-        check_cell_counts(plan, units)
-    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
+    the evaluation's predicted noise, the cells' counts, delta < 1/n, the release's precondition, the batch size, and
+    the training noise (None without training)."""
+    if plan is not None:  # the evaluation's predicted noise, then a cell whose count is below one unit
         check_noise(plan, config.eval.offline, units, checked.train_data, config.discount(), config.neighbours)
+        check_cell_counts(plan, units)
     check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
@@ -149,8 +140,8 @@ def training_noise(
     if TRAIN_STAGE not in budgets:
         return None
     planned = PrivacyLedger((config.epsilon, config.delta), config.neighbours)  # scratch: earlier stages as recorded
-    count = config.count_plan(plan)
-    if count is not None:
+    count = config.count_plan(None)
+    if count is not None:  # the count's events do not depend on its cells
         planned.stage(COUNT_STAGE, budget=count.budget, mechanism="pld")
         for event, times in count.events:
             planned.record(COUNT_STAGE, event, times)
