@@ -42,8 +42,8 @@ a cell is the same mechanism over zero units (DP-SGD steps of noise only, noisy 
 denominators then say "no estimate"): defined, and covered by that mechanism's own analysis. A run refuses a cell
 only on its released count (``check_cells_hold_units``: m~_c < 1), a function of a released value: nothing is
 charged for it. (A lower confidence bound per cell, as for the stable-prefix precondition, would also be sound, but
-it guards nothing here and its margin is large: at the default count epsilon 0.01 and beta = 0.005 delta it is
-about 1800 units per cell, which would refuse held-out cells of a thousand units.)
+it guards nothing here and its margin is large: at the default count epsilon 0.01 and beta = 0.005 delta over four
+cells it is 1750 units per cell, which would refuse held-out cells of a thousand units.)
 
 The failure probability is charged to the count stage as ``ApproxDPEvent(0, 2 beta)`` (``CountPlan.events``):
 composed by PLD a (0, b) event adds b (1 - delta_rest) >= b / 2 at any reported delta <= 1/2, so 2 beta covers the

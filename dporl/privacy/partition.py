@@ -16,7 +16,9 @@ input (cell B's rows) is the same in both neighbouring datasets.
 
 The fraction of units in a cell is random (each unit lands independently), and how many units a cell holds is
 private under add/remove neighbours like any count of units: a run that needs it releases a noisy count per cell
-(``dporl.privacy.count``).
+(``dporl.privacy.count``). So is whether a cell holds any unit at all: under add/remove a run splits with
+``allow_empty`` (an empty cell is a dataset of no units, its mechanisms run over no units) and never refuses on it;
+only under replace-one, where the counts are public, does ``split`` refuse an empty cell.
 """
 
 from __future__ import annotations
