@@ -115,14 +115,22 @@ def test_replace_one_refuses_an_empty_cell_before_anything_is_written(table, tmp
     assert not (tmp_path / "run" / "release").exists() or not any((tmp_path / "run" / "release").rglob("*"))
 
 
-@pytest.mark.parametrize("empty", ["evaluate1", "train"])
-def test_add_remove_runs_over_an_empty_cell_its_released_count_says_holds_units(table, tmp_path, empty):
+ESTIMATOR_CELLS = {"fqe": FQE_CELLS, "wis": {"train": 0.5, "evaluate": 0.5},
+                   "dr": {"train": 0.5, "model": 0.25, "estimate": 0.25}}
+
+
+@pytest.mark.parametrize("estimator, empty", [("fqe", "evaluate1"), ("fqe", "train"), ("wis", "evaluate"),
+                                              ("dr", "model"), ("dr", "estimate")])
+def test_add_remove_runs_over_an_empty_cell_its_released_count_says_holds_units(table, tmp_path, estimator, empty):
     """The event the released count cannot exclude (a cell empty, its noisy count >= 1): the run is the same
-    mechanisms over no units in that cell (DP-SGD steps of noise only, DP-FQE on no units) and ends with its
+    mechanisms over no units in that cell (DP-SGD steps of noise only, DP-FQE / DP-IS on no units) and ends with its
     release, never an error that would tell the data apart. A count released before the run fixes m~ here."""
-    salt = salt_with_empty(table.metadata.unit_key_strings(), lambda s: UnitPartition(s, FQE_CELLS), empty)
-    config = table_config(f"eval.offline.salt={salt}")
-    config["released_count"] = {"count": 12, "cells": {"train": 6, "evaluate0": 3, "evaluate1": 3}, "epsilon": 0.5}
+    cells = ESTIMATOR_CELLS[estimator]
+    salt = salt_with_empty(table.metadata.unit_key_strings(), lambda s: UnitPartition(s, cells), empty)
+    config = table_config(f"eval.offline.salt={salt}", f"eval.offline.estimator={estimator}",
+                          "eval.offline.unit_clip=5.0")
+    counts = {name: 12 // len(cells) for name in cells}
+    config["released_count"] = {"count": sum(counts.values()), "cells": counts, "epsilon": 0.5}
     summary = memory_run(config, table, tmp_path / "run")
     release = tmp_path / "run" / "release"
     assert (release / "privacy_report.json").is_file() and (release / "policy" / "weights.pt").is_file()
