@@ -32,7 +32,8 @@ Patterns: ``*`` matches any characters (``/``, ``.``, ``[`` included); nothing e
 
 Nothing else is listed: wall-clock times, file names with host names or process ids, counts of private rows,
 action sets or reward ranges read from the data, flags computed from private data, refusals (``outcome``) and the
-list of released files are never accounted outputs.
+list of released files are never accounted outputs, except a refusal on the released count itself (a cell whose
+released count is below one unit): its words are fixed, its numbers functions of the released count.
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def _entries() -> tuple[Accounted, ...]:
           stage=COUNT_STAGE),
         A(TRAIN + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed",
           value=r"(?i)(unit count|unit_count|count of the units)", numbers_only=True),
+        A(TRAIN, "outcome", "status", _COUNT, "a refusal of a cell whose released count is below one unit: its "
+          "numbers are the released estimate and public constants",
+          value=r"^(exit 2: )?error: (ValidationError: )?eval\.offline\.holdout: cell '[^']+' holds no unit by the "
+                r"released count", numbers_only=True),
         *[A(COUNTED, RELEASED_JSON, pattern, _PRIVACY, _COUNT_WHY, (COUNT,)) for pattern in (
             "*epsilon*", "*privacy/stage/*", "*sample_rate", "*noise_multiplier", "*basic_composition*",
             "*joint_pld*", "*events[*][1]", "steps", "budget_steps", "eval_history[*][0]",

@@ -118,10 +118,11 @@ class DatasetMetadata:
         if not isinstance(self.env_id, str) or not self.env_id:
             raise ValidationError("metadata.env_id", f"expected a non-empty string, got {self.env_id!r}")
         check_no_module("metadata.env_id", self.env_id)
-        for name, bound in (("n_actions", MAX_ACTIONS), ("n_units", MAX_UNITS)):
+        # n_units may be 0: a cell of a keyed-hash partition that holds no unit (``UnitPartition.split``)
+        for name, low, bound in (("n_actions", 1, MAX_ACTIONS), ("n_units", 0, MAX_UNITS)):
             value = getattr(self, name)  # bounded: code sizes arrays by these before reading any row
-            if not _is_int(value) or not 1 <= value <= bound:
-                raise ValidationError(f"metadata.{name}", f"expected an integer in [1, {bound}], got {value!r}")
+            if not _is_int(value) or not low <= value <= bound:
+                raise ValidationError(f"metadata.{name}", f"expected an integer in [{low}, {bound}], got {value!r}")
             object.__setattr__(self, name, int(value))
         shape = self.obs_shape
         if not isinstance(shape, (tuple, list)) or not all(_is_int(d) and d >= 1 for d in shape):

@@ -20,6 +20,7 @@ from dporl.eval.ope_result import OPEResult
 from dporl.eval.ope_scales import OPEScales
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition
+from dporl.privacy.relations import ADD_REMOVE
 from dporl.privacy.randomness import SecretRoot
 from dporl.utils.validation import ValidationError
 
@@ -59,7 +60,7 @@ def dp_doubly_robust(
     partition = ledger.partition(partition or UnitPartition("dporl-dr-split", {"estimate": 0.5, "model": 0.5}))
     if set(partition.names) != {"estimate", "model"}:
         raise ValidationError("partition", "the DR split needs cells 'estimate' and 'model'")
-    parts = partition.split(dataset)
+    parts = partition.split(dataset, allow_empty=ledger.relation == ADD_REMOVE)  # (private under add/remove)
     training = scaled_training(training, scales, gamma)
     found = fold_counts(ledger, root, {"model": parts["model"]}, units, epsilon, count_fraction, "dr", training)
     counts, model_epsilon = found.counts, found.epsilon_left

@@ -122,7 +122,8 @@ class FoldCounts:
 def fold_counts(ledger: PrivacyLedger, root: SecretRoot, parts: dict[str, TrajectoryDataset], units: Optional[Any],
                 epsilon: float, count_fraction: float, stage: str, training: FQETraining) -> FoldCounts:
     """A public normaliser or given counts cost nothing; otherwise one count per fold is released (parallel: one
-    stage over the folds' cells) with ``count_fraction`` of epsilon."""
+    stage over the folds' cells) with ``count_fraction`` of epsilon. Whether a fold is empty is private under
+    add/remove: an empty fold is DP-FQE over no units (``dporl.privacy.count``), never a refusal."""
     if training.expected_units is not None:
         return FoldCounts({cell: None for cell in parts}, epsilon)
     if units is not None:
@@ -223,13 +224,16 @@ def row_weights(dataset: TrajectoryDataset, length_cap: int) -> torch.Tensor:
 
 
 def _fold_parts(dataset, ledger, folds, salt, stage, fold_cells) -> dict[str, TrajectoryDataset]:
+    """The folds' datasets. Under add/remove an empty fold is a dataset of no units (whether it is empty is private,
+    ``dporl.privacy.count``); under replace-one it is refused here (the counts are public)."""
+    empty = ledger.relation == ADD_REMOVE
     if fold_cells is None:
-        return ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold")).split(dataset)
+        return ledger.partition(fold_partition(salt, folds, prefix=f"{stage}-fold")).split(dataset, empty)
     if ledger.unit_partition is None:
         raise ValidationError("fold_cells", "declare the partition on the ledger first")
     if len(fold_cells) < 2 or len(set(fold_cells)) != len(fold_cells):
         raise ValidationError("fold_cells", f"need at least two distinct cells, got {fold_cells!r}")
-    every = ledger.unit_partition.split(dataset)
+    every = ledger.unit_partition.split(dataset, empty)
     unknown = [c for c in fold_cells if c not in every]
     if unknown:
         raise ValidationError("fold_cells", f"unknown cell {unknown[0]!r} (cells: {list(every)})")

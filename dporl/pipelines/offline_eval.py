@@ -41,7 +41,7 @@ from dporl.eval.ope_importance import dp_importance_sampling
 from dporl.eval.ope_release import gaussian_noise_multiplier
 from dporl.eval.ope_result import OPEResult
 from dporl.eval.ope_scales import OPEScales
-from dporl.privacy.count import Units
+from dporl.privacy.count import Units, check_cells_hold_units
 from dporl.privacy.ledger import PrivacyLedger
 from dporl.privacy.partition import UnitPartition
 from dporl.privacy.randomness import SecretRoot
@@ -215,13 +215,23 @@ def plan_evaluation(
 
 
 def check_cells(plan: EvaluationPlan, dataset: TrajectoryDataset, relation=ADD_REMOVE) -> dict[str, TrajectoryDataset]:
-    """Every cell's dataset (a cell without units is refused by name, before anything is spent)."""
+    """Every cell's dataset. Under replace-one (the counts are public) a cell without units is refused by name,
+    before anything is spent; under add/remove whether a cell is empty is private, so an empty cell is a dataset of
+    no units here (its mechanisms run over no units), and the run refuses a cell only on its released count
+    (``check_cell_counts``, after the count)."""
     if plan.partition is None:
         return {}
-    parts = plan.partition.split(dataset)
+    parts = plan.partition.split(dataset, allow_empty=relation == ADD_REMOVE)
     if plan.estimator in ("wis", "pdis", "dr"):  # the noise multipliers are public functions of the budget
         gaussian_noise_multiplier(*plan.budget, relation)
     return parts
+
+
+def check_cell_counts(plan: EvaluationPlan, units: Units, remedy: str = "") -> None:
+    """Refuse, by name, a run with a cell whose count in ``units`` (released, or public under replace-one) is below
+    one: ``dporl.privacy.count.check_cells_hold_units``."""
+    if plan.partition is not None:
+        check_cells_hold_units(units, dict(plan.partition.cells), "eval.offline.holdout", remedy)
 
 
 def predict_noise(plan: EvaluationPlan, config: OfflineEvalConfig, units: Units, dataset: TrajectoryDataset,
@@ -271,13 +281,14 @@ def evaluate_offline(
     units: Optional[Units] = None,
 ) -> OPEResult:
     """Run the planned estimator on the evaluation cells (the ledger holds ``plan.partition`` already). ``units``:
-    the run's counts per cell (released, or public under replace-one), DP-FQE's normalisers."""
+    the run's counts per cell (released, or public under replace-one), DP-FQE's normalisers. A cell without units
+    (add/remove: private, ``check_cells``) is estimated over no units."""
     eps, delta = plan.budget
     common = dict(ledger=ledger, root=root, unit_clip=plan.unit_clip, confidence=config.confidence,
                   scales=plan.scales, tolerance=config.tolerance)
     cells = plan.evaluation_cells()
     if plan.estimator in ("wis", "pdis"):
-        held = plan.partition.split(dataset)["evaluate"] if plan.partition is not None else dataset
+        held = plan.partition.split(dataset, allow_empty=True)["evaluate"] if plan.partition is not None else dataset
         # (its feasibility was checked before training: ``check_noise``)
         return dp_importance_sampling(held, policy, epsilon=eps, delta=delta, kind=plan.estimator, gamma=gamma,
                                       cells=cells or None, **common)
@@ -285,7 +296,7 @@ def evaluate_offline(
         return dp_fqe(dataset, policy, epsilon=eps, delta=delta, run_dir=work_dir, training=config.fqe, gamma=gamma,
                       fold_cells=cells, stage="fqe", units=units, **common)
     if plan.estimator == "dr":
-        parts = plan.partition.split(dataset)
+        parts = plan.partition.split(dataset, allow_empty=True)
         training = scaled_training(config.fqe, plan.scales, gamma)
         model = fit_dp_fqe(parts["model"], policy, epsilon=eps, delta=delta, ledger=ledger, root=root,
                            run_dir=work_dir / "model", stage="dr/model", cells=["model"], training=training,

@@ -35,6 +35,16 @@ neighbour it is compared with) is made on L - 1 instead:
   <= beta. Otherwise only m~ and "refused" are released, eps-DP. So for every epsilon' the pair's hockey-stick
   divergence is at most that of the other events plus beta.
 
+Cells without units. Under add/remove whether a cell of a partition holds any unit is private: a cell of one unit
+in D is empty in D minus that unit, so a run that refused an empty cell would tell the two apart every time.
+``UnitPartition.split`` therefore gives an empty cell as a dataset of no units, and every mechanism a run applies to
+a cell is the same mechanism over zero units (DP-SGD steps of noise only, noisy sums of nothing, whose released
+denominators then say "no estimate"): defined, and covered by that mechanism's own analysis. A run refuses a cell
+only on its released count (``check_cells_hold_units``: m~_c < 1), a function of a released value: nothing is
+charged for it. (A lower confidence bound per cell, as for the stable-prefix precondition, would also be sound, but
+it guards nothing here and its margin is large: at the default count epsilon 0.01 and beta = 0.005 delta over four
+cells it is 1750 units per cell, which would refuse held-out cells of a thousand units.)
+
 The failure probability is charged to the count stage as ``ApproxDPEvent(0, 2 beta)`` (``CountPlan.events``):
 composed by PLD a (0, b) event adds b (1 - delta_rest) >= b / 2 at any reported delta <= 1/2, so 2 beta covers the
 additive beta above; basic composition adds 2 beta to the deltas. Runs that rely on no lower bound charge nothing
@@ -219,6 +229,30 @@ class ReleasedCount:
         return ReleasedCount(dict(counts), plan.epsilon, plan.failure)
 
 
+def check_cells_hold_units(units: Units, fractions: Mapping[str, float], field: str = "partition",
+                           remedy: str = "") -> None:
+    """Refuse, by name, a cell of ``fractions`` ({cell: its share of the units}) whose count in ``units`` is below
+    one: the released estimate m~_c under add/remove (a function of the released count: module docstring, "Cells
+    without units"), the public count under replace-one. The refusal says how many units in all would put a count of
+    one plus three noise standard deviations in the cell, and that a larger count epsilon lowers the noise; its words
+    do not depend on the count. ``remedy``: another way out (appended)."""
+    for cell, fraction in fractions.items():
+        count = units.of(cell)
+        if count >= 1:
+            continue
+        if not units.released:
+            raise ValidationError(field, f"cell {cell!r} holds no unit ({units.describe(cell)}): too few units for "
+                                  f"this split (the cell takes a share {fraction:.3g} of the units){remedy}")
+        spread = math.sqrt(2.0) / units.epsilon  # the standard deviation of the count's discrete Laplace noise
+        wanted = 1.0 + 3.0 * spread
+        raise ValidationError(
+            field, f"cell {cell!r} holds no unit by the released count ({units.describe(cell)} < 1): too few units "
+            f"for this split. The cell takes a share {fraction:.3g} of the units: about {math.ceil(wanted / fraction)} "
+            f"units in all put {wanted:.4g} in it (one unit plus three standard deviations {spread:.4g} of the "
+            f"count's noise); or a larger count_fraction (the count's share of epsilon: less noise){remedy}"
+        )
+
+
 def exact_counts(unit_keys: Sequence[str], partition: Optional[UnitPartition]) -> dict[str, int]:
     """The true number of units per cell (curator-side: the count mechanism's input, never released as such)."""
     if partition is None:
@@ -259,6 +293,7 @@ __all__ = [
     "ReleasedCount",
     "Units",
     "WHOLE",
+    "check_cells_hold_units",
     "exact_counts",
     "release_count",
     "tail_margin",

@@ -16,7 +16,9 @@ input (cell B's rows) is the same in both neighbouring datasets.
 
 The fraction of units in a cell is random (each unit lands independently), and how many units a cell holds is
 private under add/remove neighbours like any count of units: a run that needs it releases a noisy count per cell
-(``dporl.privacy.count``).
+(``dporl.privacy.count``). So is whether a cell holds any unit at all: under add/remove a run splits with
+``allow_empty`` (an empty cell is a dataset of no units, its mechanisms run over no units) and never refuses on it;
+only under replace-one, where the counts are public, does ``split`` refuse an empty cell.
 """
 
 from __future__ import annotations
@@ -84,14 +86,20 @@ class UnitPartition:
         """The cell index of every unit of ``dataset`` [n_units], from the units' own ids."""
         return self.cell_of_keys(dataset.metadata.unit_key_strings())
 
-    def split(self, dataset: TrajectoryDataset) -> dict[str, TrajectoryDataset]:
-        """Every cell's episodes, as a dataset over that cell's units only (units re-indexed, keys kept)."""
+    def split(self, dataset: TrajectoryDataset, allow_empty: bool = False) -> dict[str, TrajectoryDataset]:
+        """Every cell's episodes, as a dataset over that cell's units only (units re-indexed, keys kept).
+
+        A cell without units is refused by name unless ``allow_empty`` (it is then a dataset of no units). Whether a
+        cell is empty is a fact of the private data under add/remove neighbours: a run refuses on it only where the
+        number of units is public (replace-one); an add/remove run splits with ``allow_empty``, runs its mechanisms
+        over an empty cell's no units, and refuses a cell only on its released count
+        (``dporl.privacy.count.check_cells_hold_units``)."""
         unit_cell = self.cell_of_units(dataset)
         keys = np.asarray(dataset.metadata.unit_key_strings(), dtype=object)
         result = {}
         for index, name in enumerate(self.names):
             members = np.flatnonzero(unit_cell == index)
-            if len(members) == 0:
+            if len(members) == 0 and not allow_empty:
                 raise ValidationError("partition", f"cell {name!r} holds no unit: too few units for this split")
             remap = np.full(dataset.n_units, -1, dtype=np.int64)
             remap[members] = np.arange(len(members))

@@ -138,8 +138,8 @@ class _UnitIndex:
     SHORT_RUNS = 4  # mean rows per run below which a per-row order replaces the search
 
     def __init__(self, unit_of_row: "torch.Tensor | UnitRuns", n_units: int, n_rows: int):
-        if n_units < 1:
-            raise ValidationError("n_units", f"must be >= 1, got {n_units}")
+        if n_units < 0:  # (0: a cell without units; every draw is empty)
+            raise ValidationError("n_units", f"must be >= 0, got {n_units}")
         if isinstance(unit_of_row, UnitRuns):
             runs = unit_of_row
             if runs.n_rows != n_rows:
@@ -170,7 +170,7 @@ class _UnitIndex:
         self.offsets = torch.from_numpy(self._offsets)  # unit u's first unit-major position
         self.counts = torch.from_numpy(self._counts)  # rows of unit u
         self._run_start, self._run_len = start, length
-        most_runs = int(runs_per_unit.max())
+        most_runs = int(runs_per_unit.max()) if n_units else 0
         if most_runs <= 1:  # contiguous units: row = the unit's first row + the position within the unit
             self.mode = "contiguous"
             self._first_row = np.zeros(n_units, dtype=np.int64)

@@ -13,7 +13,7 @@ from dporl.algos.stable_prefix import RELEASE_STAGE, ReleasePlan, account, check
 from dporl.data.dataset import TrajectoryDataset
 from dporl.experts.expert_set import ExpertSet
 from dporl.methods.unit_level import TRAIN_STAGE
-from dporl.pipelines.offline_eval import EvaluationPlan, check_cells, check_noise
+from dporl.pipelines.offline_eval import EvaluationPlan, check_cell_counts, check_cells, check_noise
 from dporl.pipelines.train.config import Budget, TrainPipelineConfig
 from dporl.pipelines.unit_count import check_delta_below_one_over_n, public_units
 from dporl.privacy.count import COUNT_STAGE, CountPlan, ReleasedCount, Units
@@ -87,6 +87,7 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
         eps1, delta1 = budgets[RELEASE_STAGE]
         release = plan_release(dataset, experts, epsilon=eps1, delta=delta1, config=config.release,
                                defer_precondition=True, relation=config.neighbours)
+    # Under add/remove an empty cell is no refusal here (whether a cell holds units is private): ``after_count``.
     parts = check_cells(plan, dataset, config.neighbours) if plan is not None else {}
     held_out = plan is not None and plan.train_cells is not None
     checked = Checked(release, parts["train"] if held_out else dataset, "train" if held_out else None)
@@ -110,10 +111,11 @@ def preflight(config: TrainPipelineConfig, dataset: TrajectoryDataset, experts: 
 def after_count(config: TrainPipelineConfig, budgets: Budgets, checked: Checked, units: Units,
                 plan: Optional[EvaluationPlan]) -> Optional[float]:
     """The checks and the calibration that depend on the number of units, from ``units`` (released or public):
-    the evaluation's predicted noise, delta < 1/n, the release's precondition, the batch size, and the training noise
-    (None without training)."""
-    if plan is not None:  # the evaluation's predicted noise, before anything but the count is spent
+    the evaluation's predicted noise, the cells' counts, delta < 1/n, the release's precondition, the batch size, and
+    the training noise (None without training)."""
+    if plan is not None:  # the evaluation's predicted noise, then a cell whose count is below one unit
         check_noise(plan, config.eval.offline, units, checked.train_data, config.discount(), config.neighbours)
+        check_cell_counts(plan, units)
     check_delta_below_one_over_n(config.delta, units)
     if checked.release is not None:
         check_precondition(checked.release, units)
