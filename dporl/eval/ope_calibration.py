@@ -21,8 +21,11 @@ from typing import Optional
 from dporl.eval.ope_scales import OPEScales
 
 SUITE = "python -m dporl.eval.ope_suite; docs/results.md"
-# DP-WIS, nothing clipped, stochastic target: (covered, datasets) per problem and epsilon where it answered (seed 0).
-WIS_MEASURED = {"digits": {1.0: None, 10.0: None}}
+# DP-WIS, nothing clipped, stochastic target: (covered, datasets) per problem and epsilon where it answered, from
+# ``python -m dporl.eval.ope_suite --problems digits --estimators wis --datasets 1000`` (seed 0): 0.966 [0.953, 0.976]
+# at eps 1, 0.965 [0.952, 0.976] at eps 10 (Clopper-Pearson); eps 0.1 and the multi-step problems are refused
+# before spending.
+WIS_MEASURED = {"digits": {1.0: (966, 1000), 10.0: (965, 1000)}}
 
 _CAVEATS = {
     "pdis": "clipping heavy-tailed per-decision weights biases PDIS, and its interval does not contain that bias "
