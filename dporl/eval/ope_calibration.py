@@ -39,7 +39,9 @@ _CAVEATS = {
                   "targets only, and a deterministic target's clipped weights bias it",
     "clipped": "the unit clip is below the public maximum of a unit's contribution (or no maximum was declared: "
                "min_propensity, horizon, episodes_per_unit), so clipping may bias the estimate by an amount the "
-               f"interval does not contain (WIS was measured nominal with nothing clipped: {SUITE})",
+               "interval does not contain (no public bound exists: the share of weight above the clip depends on the "
+               "logging policy beyond its declared minimum propensity; WIS was measured nominal with nothing clipped: "
+               f"{SUITE})",
     "fqe": "DP-SGD noise and the fitted Q-function's approximation bias the fold values alike, and the Student-t "
            f"interval over folds sees their spread, not that bias (measured below 0.95 coverage on the suite: {SUITE})",
 }
