@@ -30,8 +30,8 @@ WIS_MEASURED = {"digits": {1.0: (966, 1000), 10.0: (965, 1000)}}
 _CAVEATS = {
     "pdis": "clipping heavy-tailed per-decision weights biases PDIS, and its interval does not contain that bias "
             f"(measured below 0.95 coverage on the suite: {SUITE}); use WIS",
-    "dr": "the delta method underestimates the variance of DR terms built on a noisy DP-FQE model (measured below "
-          f"0.95 coverage on the suite: {SUITE})",
+    "dr": "DR's correction terms on a noisy DP-FQE model are heavy-tailed, clipping them biases the estimate, and "
+          f"its interval does not contain that bias (measured below 0.95 coverage on the suite: {SUITE})",
     "deterministic": "the target policy is deterministic: its importance weights are heavy-tailed and clipping them "
                      f"biases WIS (measured below 0.95 coverage: {SUITE}); use DP-FQE",
     "undeclared": "the target policy does not declare whether it is deterministic (deterministic=, or "
