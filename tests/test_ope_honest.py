@@ -159,8 +159,8 @@ def test_a_failed_estimate_is_nan_with_the_range_as_interval_and_never_calibrate
     one_step = dataset  # the clip is what the declared facts give; only the noise matters here
     ok = dp_importance_sampling(one_step, TARGET, epsilon=1.0, delta=1e-5, ledger=PrivacyLedger(), root=_Root(0.0),
                                 gamma=CHAIN.gamma, **declared)
-    # The configuration the suite measured closest to nominal: answered, its measured shortfall its last note.
-    assert ok.status == "ok" and not ok.calibrated and "0.939" in ok.notes[-1]
+    # The configuration the suite measured nominal (nothing clipped, a stochastic target): answered and calibrated.
+    assert ok.status == "ok" and ok.calibrated
     failed = dp_importance_sampling(one_step, TARGET, epsilon=1.0, delta=1e-5, ledger=PrivacyLedger(),
                                     root=_Root(-1e9), gamma=CHAIN.gamma, **declared)  # the noisy denominator < 0
     assert math.isnan(failed.value) and (failed.ci_low, failed.ci_high) == RANGE

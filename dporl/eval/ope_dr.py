@@ -45,7 +45,7 @@ def dp_doubly_robust(
     horizon: Optional[int] = None,
     min_propensity: Optional[float] = None,
     episodes_per_unit: Optional[float] = None,
-    min_signal: float = 10.0,
+    min_signal: float = 0.0,
     units: Optional[Any] = None,
     count_fraction: float = 0.01,
     tolerance: Optional[float] = None,

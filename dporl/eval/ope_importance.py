@@ -25,7 +25,8 @@ from dporl.data.dataset import TrajectoryDataset
 from dporl.eval.ope_calibration import importance_caveat
 from dporl.eval.ope_feasibility import check_feasible, predict_ratio
 from dporl.eval.ope_policies import logged_action_probabilities, target_is_deterministic
-from dporl.eval.ope_release import open_stage, per_unit, ratio_interval, release_ratio, unit_pairs
+from dporl.eval.ope_interval import ratio_interval
+from dporl.eval.ope_release import open_stage, per_unit, release_ratio, unit_pairs
 from dporl.eval.ope_result import OPEResult, finish
 from dporl.eval.ope_scales import OPEScales
 from dporl.privacy.ledger import PrivacyLedger
@@ -106,7 +107,7 @@ def dp_importance_sampling(
     horizon: Optional[int] = None,
     min_propensity: Optional[float] = None,
     episodes_per_unit: Optional[float] = None,
-    min_signal: float = 10.0,
+    min_signal: float = 0.0,
     deterministic: Optional[bool] = None,
     units: Optional[float] = None,
     tolerance: Optional[float] = None,
@@ -156,7 +157,8 @@ def dp_importance_sampling(
     caveat = importance_caveat(kind, deterministic=deterministic, clip=clip, scales=scales, epsilon=epsilon)
     return finish(
         kind, value, low, high, confidence=confidence, stages=[stage],
-        variance="delta method; sampling variance from the noisy second moments of the same release (private)",
+        variance="Fieller-type set; sampling variance from the noisy second moments of the same release (private), "
+                 "with a margin for their noise",
         value_range=scales.value_range, notes=[scales.origin, scales.clip_choice(kind, clip)] + notes, caveat=caveat,
         failure=None if math.isfinite(value) else "the noisy denominator was <= 0",
     )

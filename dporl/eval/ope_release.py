@@ -11,11 +11,7 @@ removes one x_u: nothing else changes and nothing divides by the number of units
 ``PoissonGaussianEvent(sigma, 1)`` and calibrated to the stage's budget by PLD; ``release_sums`` releases plain sums
 (sensitivity 1). Both pay before anything is computed from the data.
 
-Interval (``ratio_interval``, delta method for a ratio of sums over independently drawn units, plus the noise):
-Var(V) = half^2 [Q + s^2 (1 + r^2)] / B^2 with r = A / B, s the noise std per coordinate and Q = S_aa - 2 r S_ab +
-r^2 S_bb the within-sample variance of a_u - r b_u from the NOISY second moments (the sampling variance is itself
-estimated privately, in the same release). When the noisy denominator is below ``min_signal`` noise standard
-deviations the linearisation is not trusted and the interval is the declared value range.
+Interval: ``dporl.eval.ope_interval.ratio_interval`` (post-processing of what ``release_ratio`` returns).
 
 Neighbouring relation: the ledger's. For replace-one neighbours every release is calibrated and recorded for
 replace-one (``relations.analysed_for``: the Gaussian at twice the sensitivity).
@@ -30,7 +26,6 @@ from typing import Optional, Sequence
 import torch
 
 from dporl.data.dataset import TrajectoryDataset
-from dporl.eval.ope_scales import OPEScales
 from dporl.privacy.calibration import calibrate_noise_multiplier
 from dporl.privacy.events import PoissonGaussianEvent
 from dporl.privacy.ledger import PrivacyLedger
@@ -143,26 +138,3 @@ def release_ratio(
     if moments:
         out.update(S_aa=float(sums[2]), S_ab=float(sums[3]) / SQRT2, S_bb=float(sums[4]))
     return out
-
-
-def ratio_interval(released: dict[str, float], scales: OPEScales, confidence: float, min_signal: float
-                   ) -> tuple[float, float, float, list[str]]:
-    """(value, low, high, notes) in value units from ``release_ratio(moments=True)``'s output (post-processing
-    only). The value is NaN when the noisy denominator is <= 0 (no estimate)."""
-    from scipy import stats
-
-    A, B, s = released["A"], released["B"], released["noise_std"]
-    lo, hi = scales.value_range
-    if B <= min_signal * s:
-        note = f"noisy denominator {B:.3g} is below {min_signal:g} noise std ({s:.3g}): interval = public range"
-        return (scales.centre + scales.half * A / B if B > 0 else math.nan), lo, hi, [note]
-    notes: list[str] = []
-    r = A / B
-    q = released["S_aa"] - 2 * r * released["S_ab"] + r * r * released["S_bb"]
-    if q < 0:
-        notes.append("noisy within-sample variance was negative: clamped to 0")
-        q = 0.0
-    std = scales.half * math.sqrt(q + s * s * (1 + r * r)) / B
-    z = float(stats.norm.ppf(0.5 + confidence / 2))
-    value = scales.centre + scales.half * r
-    return value, value - z * std, value + z * std, notes

@@ -17,8 +17,9 @@ The digits problem also reports the non-private IPW, SNIPW and DR beside them. C
 intervals containing the truth, with its Clopper-Pearson 95% interval, over the datasets where the estimate was not
 refused (a failed estimate reports the value range as its interval); bias and RMSE over finite estimates. Writes
 ``suite.json`` (every result), ``suite.md`` (the table) and ``suite.png`` (coverage and RMSE against epsilon) to
-``--out``. ``--quick`` runs the machinery on small problems (2 datasets, epsilon 1, short DP-FQE): a smoke test, not
-a coverage measurement.
+``--out``; ``--merge RUN [RUN ...]`` writes them for several runs' ``suite.json`` together (e.g. estimators run at
+different numbers of datasets) without running anything. ``--quick`` runs the machinery on small problems (2
+datasets, epsilon 1, short DP-FQE): a smoke test, not a coverage measurement.
 """
 
 from __future__ import annotations
@@ -150,6 +151,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def merge(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from several runs' ``suite.json`` (e.g. estimators run at different numbers of datasets): every
+    problem's cells and baselines together, a cell of a later run replacing an earlier one; cells ordered by
+    estimator, then epsilon. The truths of one problem must agree."""
+    merged: dict[str, Any] = {"settings": {"merged": [s.get("settings", {}) for s in summaries]}, "problems": {},
+                              "seconds": sum(s.get("seconds", 0.0) for s in summaries)}
+    for summary in summaries:
+        for name, problem in summary["problems"].items():
+            into = merged["problems"].setdefault(name, {**problem, "cells": {}, "baselines": {}, "results": {}})
+            if into["truth"] != problem["truth"]:
+                raise ValueError(f"problem {name!r}: the runs disagree on the truth ({into['truth']} vs "
+                                 f"{problem['truth']}); merge runs of the same problem settings only")
+            for key in ("cells", "baselines", "results"):
+                into[key].update(problem.get(key, {}))
+
+    def order(key: str) -> tuple[int, float]:
+        estimator, eps = key.split("@")
+        return (ESTIMATORS.index(estimator) if estimator in ESTIMATORS else len(ESTIMATORS), float(eps))
+
+    for problem in merged["problems"].values():
+        problem["cells"] = {key: problem["cells"][key] for key in sorted(problem["cells"], key=order)}
+    return merged
+
+
 def _cell_text(cell: dict[str, Any]) -> list[str]:
     if "coverage" not in cell:
         return ["refused", "-", "-", "-", "-"]
@@ -240,7 +265,22 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--cache", default=None, help="where Monte Carlo truths are cached (default: --out)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: small problems, 2 datasets, eps 1")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="RUN",
+                        help="run nothing: merge these runs' suite.json into --out's table, JSON and PNG")
     args = parser.parse_args(argv)
+    if args.merge:
+        import json
+
+        from dporl.utils.io import atomic_write_json
+
+        summary = merge([json.loads((Path(run) / "suite.json").read_text()) for run in args.merge])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "suite.json", summary)
+        (out / "suite.md").write_text(table(summary))
+        plot(summary, out / "suite.png")
+        print(table(summary))
+        return summary
     if args.quick:
         args.datasets, args.epsilons, args.fqe_steps = min(args.datasets, 2), [1.0], args.fqe_steps or 30
     summary = run(args)

@@ -5,7 +5,8 @@ One import for the estimators and their parts, each in its own module:
 - ``dporl.eval.ope_importance``: ``dp_importance_sampling`` (DP-WIS, DP-PDIS, DP-DR's estimate);
 - ``dporl.eval.ope_fqe``: ``dp_fqe`` (DP fitted-Q evaluation over folds of units), ``FQETraining``;
 - ``dporl.eval.ope_dr``: ``dp_doubly_robust``;
-- ``dporl.eval.ope_release``: the clipped unit sums, their Gaussian release and interval;
+- ``dporl.eval.ope_release``: the clipped unit sums and their Gaussian release;
+- ``dporl.eval.ope_interval``: the interval of a released ratio (Fieller-type, with the noisy variance's margin);
 - ``dporl.eval.ope_scales``: public scales derived from declared facts (``OPEScales``);
 - ``dporl.eval.ope_feasibility``: the noise predicted before spending, and the refusal;
 - ``dporl.eval.ope_calibration``: which configurations the benchmark suite measured calibrated;
@@ -18,6 +19,7 @@ from dporl.eval.ope_dr import dp_doubly_robust
 from dporl.eval.ope_feasibility import Feasibility, InfeasibleEvaluation, predict_fqe, predict_ratio
 from dporl.eval.ope_fqe import FQETraining, fit_dp_fqe, fqe_normaliser, dp_fqe
 from dporl.eval.ope_importance import dp_importance_sampling, episode_terms
+from dporl.eval.ope_interval import ratio_interval
 from dporl.eval.ope_policies import (
     action_probabilities,
     declare_deterministic,
@@ -29,7 +31,6 @@ from dporl.eval.ope_release import (
     gaussian_noise_multiplier,
     moment_rows,
     per_unit,
-    ratio_interval,
     release_ratio,
     unit_pairs,
 )
