@@ -17,7 +17,10 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
    privacy-relevant choices, and the per-trial budget is calibrated: the largest whose search, ONE
    ``SelectionEvent`` over the costliest plan, fits what the count (and the release) leave of the search's budget
    (``dporl.privacy.selection``). Trials that spend nothing (``stable_only``: noiseless training on D_stable,
-   returns in the public simulator) are post-processing of what the search released: no selection stage;
+   returns in the public simulator) are post-processing of what the search released: no selection stage. A trial
+   of some privacy class that its own run would refuse before spending (its checks on public inputs, the trial
+   budget and the released count: e.g. its private evaluation's predicted noise) refuses the search here, before
+   the selection is charged: such trials could never produce a score;
 4. the number of trials K is drawn from the search's secret stream "search/trials"; trial i gets the secret root
    "trial/i" of the search's root (its run's ``noise_seed``) and draws its candidate from that root's stream
    "candidate"; K, the seeds and the candidates are journaled (curator-only) and the search event is CHARGED, before
@@ -34,7 +37,8 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
    so that is a uniformly random choice among the best) has its ``release/`` copied to ``RUN/release/`` (its
    TensorBoard files excepted: their wall-clock times would place the winner among the trials, i.e. bound K), with
    the search's privacy report, the selected hyperparameters (``selected.json``) and the public summary. Poisson
-   K = 0, or no trial with a score, releases no policy (and does not say which).
+   K = 0, or no trial with a score, releases no policy (and does not say which); when trials ran and none scored,
+   the curator is told why on stderr and in ``curator/summary.json`` (``failures``: each error, how many trials).
 
 ``RUN/curator/`` keeps every trial's run directory, ``results.csv`` and ``results.png`` (score against each
 hyperparameter: private, the losing trials' scores are covered by no guarantee), the journal and the full summary
