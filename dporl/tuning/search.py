@@ -266,11 +266,11 @@ def _check_trials(kind, base: Mapping[str, Any], classes: list[dict[str, Any]], 
             refused.append((values, exc))
     if not refused:
         return
-    values, exc = refused[0]
+    exc = refused[0][1]
     if len(refused) == len(classes):
         scope, remedy = "every trial", ""
     else:
-        which = "; ".join(", ".join(f"{k}={_short(v)}" for k, v in v_.items()) for v_, _ in refused)
+        which = "; ".join(", ".join(f"{k}={_short(v)}" for k, v in values.items()) for values, _ in refused)
         scope, remedy = f"the trials with {which}", "drop these choices from the space, or "
     reason = str(exc).split(": ", 1)[-1]
     raise type(exc)(exc.field, f"{scope} of this search would be refused by its own run before spending, at the trial "
