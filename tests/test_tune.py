@@ -208,6 +208,48 @@ def test_refusals_name_the_field_and_write_nothing(tmp_path):
     assert info.value.field == "trial_epsilon"
 
 
+def test_trials_their_own_run_would_refuse_are_refused_before_the_selection_is_charged(tmp_path):
+    """At the trial budget every trial's private evaluation is refused by its run's pre-spend noise check (1500
+    clinicians, the default tolerance): the search refuses with that field before charging its selection (only the
+    count, released before the trials, is in the journal), instead of paying for a selection of trials that can
+    never produce a score."""
+    from dporl.eval.ope_feasibility import InfeasibleEvaluation
+
+    base = apply_overrides(load_yaml(ROOT / "configs" / "table_quickstart.yaml"),
+                           [o for o in TINY if not o.startswith("eval.offline.tolerance")])
+    run_dir = tmp_path / "search"
+    with pytest.raises(InfeasibleEvaluation) as info:
+        _tune(base, tiny_space(run_dir))
+    assert info.value.field.startswith("eval.offline")
+    print(info.value)
+    assert "every trial of this search would be refused" in str(info.value)
+    assert "charged nothing for its trials" in str(info.value)
+    journal = read_journal(run_dir / "curator" / "journal.json")
+    assert list(journal.stages) == ["unit_count"]
+    assert not (run_dir / "curator" / "trials").exists() or not any((run_dir / "curator" / "trials").iterdir())
+    assert not (run_dir / "release" / "selected.json").exists()
+
+
+def test_a_search_whose_every_trial_failed_says_so_to_the_curator_only(tmp_path, monkeypatch, capsys):
+    """Trials that fail for a reason the search could not predict (here: the pre-spend check is bypassed, so every
+    trial's run refuses its evaluation): the search is charged (its trials ran), releases no policy, and tells the
+    curator on stderr and in curator/summary.json why, while what it releases says only that nothing was selected."""
+    from dporl.tuning import planning
+
+    monkeypatch.setattr(planning.TrainTrials, "check_trial", lambda self, data, loaded: None)
+    base = apply_overrides(load_yaml(ROOT / "configs" / "table_quickstart.yaml"),
+                           [o for o in TINY if not o.startswith("eval.offline.tolerance")])
+    run_dir = tmp_path / "search"
+    result, stdout = _tune(base, tiny_space(run_dir))
+    err = capsys.readouterr().err
+    assert result["selected"] is None and "no policy is released" in result["headline"]["selected"]
+    assert "no trial produced a score" in err and "InfeasibleEvaluation" in err
+    assert "InfeasibleEvaluation" not in stdout and "failed" not in stdout
+    curator = json.loads((run_dir / "curator" / "summary.json").read_text())
+    assert sum(curator["failures"].values()) == curator["trials_run"] > 0
+    assert "failures" not in json.loads((run_dir / "release" / "summary.json").read_text())
+
+
 def test_a_run_given_a_released_count_releases_none(tmp_path):
     """The pipeline side: with released_count the run opens no count stage and derives its rate from the given
     count; a count for other cells is refused before anything is written."""

@@ -260,6 +260,17 @@ class TrainTrials:
         set_key(result, "trainer.progress", False)
         return result
 
+    def check_trial(self, data: Mapping[str, Any], loaded: LoadedData) -> None:
+        """Raise every refusal a trial of config ``data`` (a trial config: its budget, the search's count) would
+        raise before it spends anything: its run's own checks on public inputs and the released count (the
+        evaluation's predicted noise, delta < 1/n, the batch size, whether one training step fits)."""
+        from dporl.pipelines.train import training_plan
+        from dporl.pipelines.train.planning import preflight
+
+        config = self.config(data)
+        budgets, _, plan = training_plan(config, loaded.dataset)
+        preflight(config, loaded.dataset, loaded.experts, budgets, plan)
+
     def planner(self, data: Mapping[str, Any], dataset: Any) -> Callable[[float], TrialPrivacy]:
         """trial epsilon -> the events a trial of config ``data`` (a trial config: its count, its privacy keys)
         records at that budget, as its run plans them (``dporl.pipelines.train``)."""

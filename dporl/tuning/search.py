@@ -17,7 +17,10 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
    privacy-relevant choices, and the per-trial budget is calibrated: the largest whose search, ONE
    ``SelectionEvent`` over the costliest plan, fits what the count (and the release) leave of the search's budget
    (``dporl.privacy.selection``). Trials that spend nothing (``stable_only``: noiseless training on D_stable,
-   returns in the public simulator) are post-processing of what the search released: no selection stage;
+   returns in the public simulator) are post-processing of what the search released: no selection stage. A trial
+   of some privacy class that its own run would refuse before spending (its checks on public inputs, the trial
+   budget and the released count: e.g. its private evaluation's predicted noise) refuses the search here, before
+   the selection is charged: such trials could never produce a score;
 4. the number of trials K is drawn from the search's secret stream "search/trials"; trial i gets the secret root
    "trial/i" of the search's root (its run's ``noise_seed``) and draws its candidate from that root's stream
    "candidate"; K, the seeds and the candidates are journaled (curator-only) and the search event is CHARGED, before
@@ -34,7 +37,8 @@ Renyi differential privacy". In order, in the search's run directory (``RUN``):
    so that is a uniformly random choice among the best) has its ``release/`` copied to ``RUN/release/`` (its
    TensorBoard files excepted: their wall-clock times would place the winner among the trials, i.e. bound K), with
    the search's privacy report, the selected hyperparameters (``selected.json``) and the public summary. Poisson
-   K = 0, or no trial with a score, releases no policy (and does not say which).
+   K = 0, or no trial with a score, releases no policy (and does not say which); when trials ran and none scored,
+   the curator is told why on stderr and in ``curator/summary.json`` (``failures``: each error, how many trials).
 
 ``RUN/curator/`` keeps every trial's run directory, ``results.csv`` and ``results.png`` (score against each
 hyperparameter: private, the losing trials' scores are covered by no guarantee), the journal and the full summary
@@ -46,6 +50,7 @@ from __future__ import annotations
 import copy
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -165,7 +170,9 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
                                      "trial_epsilon (or omit it to calibrate)")
 
     # 4. K, the seeds and the candidates (journaled), then the charge, before any trial runs
-    if plan is None:
+    if plan is None:  # a trial its own run would refuse before spending is refused here, before the search spends
+        _check_trials(kind, base, classes, (trial_epsilon if spends else epsilon, trial_delta), released, run,
+                      loaded, stable)
         trials = count.sample(root.numpy_generator("search/trials"))
         seeds = [root.integer(f"trial/{i}", bits=ROOT_BITS) for i in range(trials)]
         candidates = [space.draw(SecretRoot(seed).numpy_generator("candidate")) for seed in seeds]
@@ -241,6 +248,35 @@ def run_search(base: Mapping[str, Any], tune: TuneConfig, mode: RunMode = "new",
     winner = _best(records, tune.score.maximize)
     return _finish(run, ledger, kind, tune, space, count, released, plan, records, winner, epsilon, delta,
                    trial_delta if spends else 0.0, None if stable is None else stable["public"])
+
+
+def _check_trials(kind, base: Mapping[str, Any], classes: list[dict[str, Any]], budget: tuple[float, float],
+                  released: ReleasedCount, run: RunDirectory, loaded, stable: Optional[dict[str, Any]]) -> None:
+    """Refuse the search, before its selection is charged, when a trial of some privacy class would be refused by
+    its own run before spending (a function of public inputs, the trial budget and the released count only): such
+    trials could never produce a score, and a search whose every trial fails still pays for its selection. The
+    refusal keeps the trial's field and names the class."""
+    refused = []
+    for values in classes:
+        data = kind.trial_config(base, values, budget=budget, released=released, seed=None,
+                                 run_dir=str(run.curator / TRIALS_DIR / "plan"), data=loaded.trial_data, stable=stable)
+        try:
+            kind.check_trial(data, loaded)
+        except ValidationError as exc:
+            refused.append((values, exc))
+    if not refused:
+        return
+    exc = refused[0][1]
+    if len(refused) == len(classes):
+        scope, remedy = "every trial", ""
+    else:
+        which = "; ".join(", ".join(f"{k}={_short(v)}" for k, v in values.items()) for values, _ in refused)
+        scope, remedy = f"the trials with {which}", "drop these choices from the space, or "
+    reason = str(exc).split(": ", 1)[-1]
+    raise type(exc)(exc.field, f"{scope} of this search would be refused by its own run before spending, at the trial "
+                    f"budget (eps={budget[0]:.4g}, delta={budget[1]:g}) and the released count: {reason}. The search "
+                    f"charged nothing for its trials (only what it released before them); {remedy}raise the search's "
+                    "budget or lower the expected number of trials (a larger trial budget)") from None
 
 
 def _check_plan(plan: Any) -> tuple[int, list[int], list[dict[str, Any]]]:
@@ -324,11 +360,28 @@ def _finish(run: RunDirectory, ledger: PrivacyLedger, kind, tune: TuneConfig, sp
         "headline": headline,
     }
     rows = write_results(run.curator, records, plan["candidates"], space, winner)
+    failures = _failures(records)
     run.write_summaries(public, {**public, "run_dir": str(run.root), "config": run.config, "trials_run": len(records),
-                                 "results": rows})
+                                 "results": rows, "failures": failures})
+    if winner is None and failures:  # on stderr, beside the progress bar: it counts the trials (curator-only)
+        first = next(iter(failures))
+        print(f"search (curator-only: never share): no trial produced a score; {sum(failures.values())} of "
+              f"{len(records)} trials failed ({len(failures)} distinct error(s); e.g. {first}); each trial's log is "
+              f"{run.curator / TRIALS_DIR}/trial_NNNN.log. The search's budget was spent on them.", file=sys.stderr)
     print(report.describe())
     print(f"release (safe to share): {run.release}; curator-only (never share): {run.curator}")
     return public
+
+
+def _failures(records: list[dict[str, Any]]) -> dict[str, int]:
+    """The trials' errors (curator-only) and how many trials failed with each, in trial order."""
+    failures: dict[str, int] = {}
+    for record in records:
+        score = record.get("score")
+        if record.get("status") != "done" or score is None or not math.isfinite(score):
+            error = str(record.get("error") or f"score {score!r}")
+            failures[error] = failures.get(error, 0) + 1
+    return failures
 
 
 def _short(value: Any) -> str:
