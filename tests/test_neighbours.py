@@ -13,6 +13,7 @@ Each case names the leak it guards against (what an unaccounted difference looke
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -285,6 +286,26 @@ def test_every_released_difference_is_accounted(case, fixtures, tmp_path):
     refused_alike = d["outcome"]["status"] != "ok" and dp["outcome"]["status"] != "ok"
     assert refused_alike or (d["outcome"]["status"] == "ok" and d["files"]), (d["outcome"], dp["outcome"])
     assert check.classified.clean, check.describe()
+
+
+# Noise seeds at which the lone clinician's pair ends one way or the other (the cell's released counts are one apart).
+LONE_OUTCOMES = {0: ("ok", "refused"), 1: ("ok", "ok")}
+
+
+@pytest.mark.parametrize("seed", sorted(LONE_OUTCOMES))
+def test_a_lone_clinicians_cell_is_accounted_whether_its_released_count_stops_a_side_or_not(seed, lone_unit, tmp_path):
+    """D runs and D' stops on its released count (seed 0), or both run, D' over a cell of no units (seed 1): either
+    way every released difference is accounted; the first only through the count refusal's gate."""
+    salt, _, clinician = lone_unit
+    check = check_pair(NeighbourPair(lone_table(salt), unit_key=clinician), tmp_path, noise_seed=seed)
+    outcomes = tuple("ok" if check.sides[side].snapshot["outcome"]["status"] == "ok" else "refused"
+                     for side in ("D", "D'"))
+    assert outcomes == LONE_OUTCOMES[seed]
+    assert check.classified.clean, check.describe()
+    d, dp = check.sides["D"].snapshot, check.sides["D'"].snapshot
+    ungated = [replace(entry, gate=False) for entry in ENTRIES]
+    gated_only = classify(compare(d, dp), check.classified.keys, d, dp, ungated)
+    assert gated_only.clean == (outcomes == ("ok", "ok")), gated_only.describe()
 
 
 def test_the_held_out_cases_remove_held_out_clinicians(table_units):

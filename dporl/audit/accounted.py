@@ -33,7 +33,10 @@ Patterns: ``*`` matches any characters (``/``, ``.``, ``[`` included); nothing e
 Nothing else is listed: wall-clock times, file names with host names or process ids, counts of private rows,
 action sets or reward ranges read from the data, flags computed from private data, refusals (``outcome``) and the
 list of released files are never accounted outputs, except a refusal on the released count itself (a cell whose
-released count is below one unit): its words are fixed, its numbers functions of the released count.
+released count is below one unit): its words are fixed, its numbers functions of the released count. Such a refusal
+is a gate (``gate``): where one side refuses on it and the other runs (the same noise gives the two sides released
+counts one apart), every difference of the pair is downstream of the released count; pairs where both sides run
+check the running side's fields one by one.
 """
 
 from __future__ import annotations
@@ -62,12 +65,13 @@ class Accounted:
     value: Optional[str] = None  # a regex both differing values (strings) must match
     numbers_only: bool = False  # both values are strings that differ only in their numbers
     stage: Optional[str] = None  # fields under stages[i] of a privacy report: the stage's name
+    gate: bool = False  # an outcome decided by a released value: one side ending in it explains every difference
 
     def to_dict(self) -> dict[str, Any]:
         return {"pipelines": list(self.pipelines), "files": self.files, "fields": self.fields,
                 "mechanism": self.mechanism, "why": self.why, "needs": list(self.needs),
                 **({"value": self.value} if self.value else {}), **({"numbers_only": True} if self.numbers_only else {}),
-                **({"stage": self.stage} if self.stage else {})}
+                **({"stage": self.stage} if self.stage else {}), **({"gate": True} if self.gate else {})}
 
 
 # Pipeline keys ("pipeline/method"; the offline evaluation adds "offline/<estimator>").
@@ -160,9 +164,10 @@ def _entries() -> tuple[Accounted, ...]:
         A(TRAIN + ("ope/*",), "stdout", "*", _COUNT, "the released estimate, printed",
           value=r"(?i)(unit count|unit_count|count of the units)", numbers_only=True),
         A(TRAIN, "outcome", "status", _COUNT, "a refusal of a cell whose released count is below one unit: its "
-          "numbers are the released estimate and public constants",
+          "numbers are the released estimate and public constants; a gate: where one side refuses so and the other "
+          "runs, the run's every difference is downstream of the released count",
           value=r"^(exit 2: )?error: (ValidationError: )?eval\.offline\.holdout: cell '[^']+' holds no unit by the "
-                r"released count", numbers_only=True),
+                r"released count", numbers_only=True, gate=True),
         *[A(COUNTED, RELEASED_JSON, pattern, _PRIVACY, _COUNT_WHY, (COUNT,)) for pattern in (
             "*epsilon*", "*privacy/stage/*", "*sample_rate", "*noise_multiplier", "*basic_composition*",
             "*joint_pld*", "*events[*][1]", "steps", "budget_steps", "eval_history[*][0]",
@@ -274,6 +279,24 @@ def entry_for(difference: Difference, keys: Sequence[str], met: dict[str, bool],
     return None
 
 
+def gate_for(keys: Sequence[str], snap_d: Snapshot, snap_dp: Snapshot,
+             entries: Iterable[Accounted] = ENTRIES) -> Optional[Accounted]:
+    """The gate entry (``Accounted.gate``) when exactly one side's outcome is that gate's refusal and the other side
+    ran: the refusal is a function of a released value (e.g. a cell's released count below one), so whether a run
+    stops there, and everything the running side releases beyond what the stopping side does, is downstream of
+    that released value and of the running side's own accounted mechanisms (whose fields a pair where both sides
+    run checks one by one). None otherwise."""
+    statuses = [str(snap.get("outcome", {}).get("status")) for snap in (snap_d, snap_dp)]
+    if statuses.count("ok") != 1:
+        return None
+    refused = statuses[0] if statuses[1] == "ok" else statuses[1]
+    for entry in entries:
+        if (entry.gate and entry.value is not None and re.search(entry.value, refused)
+                and any(matches(pattern, key) for pattern in entry.pipelines for key in keys)):
+            return entry
+    return None
+
+
 @dataclass
 class Classified:
     """The differences of one neighbour pair, each with the entry that accounts for it (None: unaccounted)."""
@@ -302,6 +325,9 @@ def classify(differences: Sequence[Difference], keys: Sequence[str], snap_d: Sna
     ``assume``: conditions to take as given instead of reading them from the releases (what-if analyses only)."""
     entries = tuple(entries)
     met = {**conditions(snap_d, snap_dp), **(assume or {})}
+    gate = gate_for(keys, snap_d, snap_dp, entries)
+    if gate is not None:  # one side stopped on a released value, the other ran: all downstream of that value
+        return Classified(tuple(keys), [(difference, gate) for difference in differences], [], met)
     accounted, unaccounted = [], []
     for difference in differences:
         entry = entry_for(difference, keys, met, snap_d, snap_dp, entries)
