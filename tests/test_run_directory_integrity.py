@@ -124,6 +124,28 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def test_a_refused_process_names_a_holder_that_records_its_pid_just_after_locking(tmp_path):
+    """The holder locks first and writes its pid a moment later; a process refused in between still names it
+    (two processes started together once read the empty file and said "pid unknown")."""
+    import fcntl
+    import threading
+
+    from dporl.train import run_lock
+
+    root = tmp_path / "run"
+    path = run_lock.lock_path(root)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file description: acquire() is refused
+    timer = threading.Timer(0.05, lambda: os.pwrite(fd, b"4242\n", 0))
+    timer.start()
+    try:
+        with pytest.raises(ValidationError, match=r"another dporl process \(pid 4242\) holds this run directory"):
+            run_lock.acquire(root)
+    finally:
+        timer.join()
+        os.close(fd)
+
+
 def test_two_processes_started_together_on_one_run_directory_exactly_one_runs(logged, tmp_path):
     config = write_config(logged, tmp_path, max_steps=200)
     run, go = tmp_path / "run", tmp_path / "go"

@@ -23,6 +23,7 @@ import fcntl
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,7 @@ from typing import Optional
 from dporl.utils.validation import ValidationError
 
 LOCK_SUFFIX = ".dporl-lock"
+HOLDER_PID_POLLS = 100  # x 10 ms: how long a refused process waits for the holder to record its pid
 
 
 @dataclass
@@ -114,9 +116,15 @@ def _lock(path: Path, root) -> tuple[int, Optional[str]]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            busy = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
             holder = _read_pid(fd)
+            for _ in range(HOLDER_PID_POLLS if busy else 0):  # a holder writes its pid just after it locks
+                if holder:
+                    break
+                time.sleep(0.01)
+                holder = _read_pid(fd)
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if busy:
                 raise ValidationError(
                     "run_dir", f"another dporl process (pid {holder or 'unknown'}) holds this run directory ({root}); "
                     "wait for it to finish or stop it (nothing was read or written)"
