@@ -67,6 +67,10 @@ class Accounted:
     stage: Optional[str] = None  # fields under stages[i] of a privacy report: the stage's name
     gate: bool = False  # an outcome decided by a released value: one side ending in it explains every difference
 
+    def applies_to(self, keys: Sequence[str]) -> bool:
+        """Whether this entry speaks for a run of ``keys`` (one of its pipeline patterns matches one key)."""
+        return any(matches(pattern, key) for pattern in self.pipelines for key in keys)
+
     def to_dict(self) -> dict[str, Any]:
         return {"pipelines": list(self.pipelines), "files": self.files, "fields": self.fields,
                 "mechanism": self.mechanism, "why": self.why, "needs": list(self.needs),
@@ -257,7 +261,7 @@ def entry_for(difference: Difference, keys: Sequence[str], met: dict[str, bool],
               snap_dp: Snapshot, entries: Iterable[Accounted] = ENTRIES) -> Optional[Accounted]:
     """The first entry that accounts for ``difference`` in a run of ``keys`` (None: unaccounted)."""
     for entry in entries:
-        if not any(matches(pattern, key) for pattern in entry.pipelines for key in keys):
+        if not entry.applies_to(keys):
             continue
         if not matches(entry.files, difference.location):
             continue
@@ -291,8 +295,7 @@ def gate_for(keys: Sequence[str], snap_d: Snapshot, snap_dp: Snapshot,
         return None
     refused = statuses[0] if statuses[1] == "ok" else statuses[1]
     for entry in entries:
-        if (entry.gate and entry.value is not None and re.search(entry.value, refused)
-                and any(matches(pattern, key) for pattern in entry.pipelines for key in keys)):
+        if entry.gate and entry.value is not None and re.search(entry.value, refused) and entry.applies_to(keys):
             return entry
     return None
 
