@@ -386,6 +386,71 @@ def test_a_frozen_bias_is_not_part_of_the_clipped_norm():
         engine.close()
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_single_row_path_matches_the_reference_and_the_general_path(bias, monkeypatch):
+    """A sampler's one-row-per-unit batch takes the engine's single-row path; it must give the per-unit reference's
+    clipped sum and the general path's numbers (forced by disabling the single-row path)."""
+    from dporl.privacy.samplers import RowLayout
+
+    torch.manual_seed(3)
+    model = QNet(bias)
+    n_units, clip = 11, 4.0  # some units clipped, some not (norms 1.1-8.6)
+    batch = _batch(n_units, seed=4)
+    want = _reference(model, batch, torch.arange(n_units), n_units, clip)
+    taken = []
+    single_rows = DPSGDEngine._single_rows
+
+    def spy(self, *args):
+        stats = single_rows(self, *args)
+        taken.append(stats is not None)
+        return stats
+
+    monkeypatch.setattr(DPSGDEngine, "_single_rows", spy)
+    results = {}
+    for path in ("single-row", "general"):
+        engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
+                             noise=NoiseSource(0))
+        if path == "general":
+            monkeypatch.setattr(engine, "_single_rows", lambda *args: None)
+        stats = engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units,
+                                        layout=RowLayout(rows_per_unit=1))
+        results[path] = ([p.grad.clone() for p in engine.params], stats.to_dict())
+        engine.close()
+    assert taken == [True]  # the single-row path ran (once: the general run never reached it)
+    assert 0 < results["single-row"][1]["clip_fraction"] < 1
+    for w, g in zip(want, results["single-row"][0]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    for a, b in zip(results["single-row"][0], results["general"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    assert results["single-row"][1] == pytest.approx(results["general"][1], rel=1e-6)
+
+
+def test_a_layer_that_did_not_run_leaves_the_single_row_path_to_the_general_one():
+    from dporl.privacy.samplers import RowLayout
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(5, 3), nn.Linear(5, 3)
+
+        def row_losses(self, obs, actions, next_obs, rewards):
+            return (self.used(obs).gather(1, actions[:, None]).squeeze(1) - rewards) ** 2
+
+    torch.manual_seed(1)
+    model, n_units, clip = TwoHeads(), 6, 3.0
+    batch = _batch(n_units, seed=8)
+    model.spare.requires_grad_(False)
+    want = _reference(model, batch, torch.arange(n_units), n_units, clip) + [torch.zeros(3, 5), torch.zeros(3)]
+    model.spare.requires_grad_(True)
+    engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0, noise=NoiseSource(0))
+    stats = engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units,
+                                    layout=RowLayout(rows_per_unit=1))
+    assert 0 < stats.clip_fraction < 1
+    for w, p in zip(want, engine.params):  # the spare head's gradient is its (zero) noise alone
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
+    engine.close()
+
+
 def _noisy_steps(prefetch: bool, steps: int = 6):
     torch.manual_seed(0)
     model = QNet()

@@ -86,7 +86,7 @@ def test_csv_to_private_policy_through_dporl_train(csv, tmp_path, capsys):
     config = yaml.safe_load((ROOT / "configs" / "table_quickstart.yaml").read_text())
     del config["data"]["example"]
     config["data"]["path"] = str(csv)
-    config.update(run_dir=str(tmp_path / "run"), noise_seed=5, batch_size=64)
+    config.update(run_dir=str(tmp_path / "run"), noise_seed=6, batch_size=64)
     config["algorithm"]["hidden_sizes"] = [32]
     config["trainer"].update(max_steps=150, eval_every=50, checkpoint_every=50, progress=False)
     path = tmp_path / "config.yaml"

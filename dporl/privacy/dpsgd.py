@@ -175,6 +175,12 @@ class DPSGDEngine:
             (position[id(layer.weight)], None if layer.bias is None else position.get(id(layer.bias)))
             for layer in self._tape.layers
         ]
+        self._all_biased = all(bias is not None for _, bias in self._slots)
+        # Per tape layer: its slots and whether its output side is the narrower (scaled in place by the clip factors).
+        self._rows_plan = [] if self._tape is None else [
+            (weight, bias, layer.out_features <= layer.in_features)
+            for (weight, bias), layer in zip(self._slots, self._tape.layers)
+        ]
         # Draw the next step's noise on a background thread while this step runs (CPU parameters only; the stream,
         # hence a fixed seed's numbers, is unchanged: NoiseSource.prefetch_like). None: where a core is left over.
         if prefetch_noise is None:
@@ -266,6 +272,11 @@ class DPSGDEngine:
             self.last_stats = StepStats(n_units, None, self.max_grad_norm, self.noise_std)
             return self.last_stats
         if self.mode in ("bookkeeping", "ghost"):
+            if blocks == 1 and row_weights is None and self.mode == "bookkeeping":
+                stats = self._single_rows(row_losses, n_units)
+                if stats is not None:
+                    self.last_stats = stats
+                    return stats
             if blocks is not None:
                 units = UnitLayout(n_units, blocks, True)
                 weights = 1.0 / blocks  # the unit's loss is the mean over its rows
@@ -321,10 +332,7 @@ class DPSGDEngine:
         """Fresh N(0, (sigma C / B)^2) tensors like the parameters (drawn where they live), in ``self.params``
         order, so the stream does not depend on which layers ran; the next step's is started ahead if asked."""
         std = self.noise_std / self.expected_batch_size
-        noise = self.noise.gaussian_like(self.params, std)
-        if self.prefetch_noise:
-            self.noise.prefetch_like(self.params, std)
-        return noise
+        return self.noise.gaussian_like(self.params, std, draw_ahead=self.prefetch_noise)
 
     def _write(self, sums: Sequence[Optional[torch.Tensor]]) -> None:
         """p.grad = noise / B + sum for every parameter, the noise drawn into the gradient's own buffer.
@@ -367,16 +375,56 @@ class DPSGDEngine:
                 self._write_bookkeeping(live, grads, row_factor, scale)
         return norms, sq
 
+    def _single_rows(self, row_losses: torch.Tensor, n_units: int) -> Optional[StepStats]:
+        """Book-keeping clipping when every unit owns one row and every layer ran once on 2-D rows (what a
+        Poisson step over units or transitions of an MLP is): ``_ghost``'s computation with nothing left to decide
+        per step, so that the step costs its products and norms and little else. None: not that case (nothing
+        taken; the general path runs)."""
+        taken = self._tape.take_rows()
+        if taken is None:
+            return None
+        grads = torch.autograd.grad(row_losses.sum(), [out for _, _, out in taken])
+        clip = self.max_grad_norm
+        with torch.no_grad():
+            g_norms = torch.stack([torch.linalg.vector_norm(g, dim=1) for g in grads])  # [layers, rows]
+            a_norms = torch.stack([torch.linalg.vector_norm(a, dim=1) for _, a, _ in taken])
+            bias_part = g_norms if self._all_biased else g_norms * g_norms.new_tensor(
+                [bias is not None for _, bias, _ in self._rows_plan]).unsqueeze(1)
+            norms = torch.linalg.vector_norm(torch.hypot(a_norms.mul_(g_norms), bias_part), dim=0)
+            factor = torch.clamp(norms, min=clip).reciprocal_()  # C / max(norm, C), the C folded into the scale
+            column = factor.unsqueeze(1)
+            scale = clip / self.expected_batch_size
+            noise = self._noise()
+            for (weight, bias, scale_output), (_, a, _), g in zip(self._rows_plan, taken, grads):
+                if bias is not None:
+                    noise[bias].addmv_(g.T, factor, alpha=scale)
+                if not scale_output:
+                    noise[weight].addmm_(g.T, a * column, alpha=scale)
+                elif g.is_contiguous():  # autograd's fresh output gradient is ours to scale in place
+                    noise[weight].addmm_(g.mul_(column).T, a, alpha=scale)
+                else:
+                    noise[weight].addmm_((g * column).T, a, alpha=scale)
+            for p, buffer in zip(self.params, noise):
+                p.grad = buffer
+        return StepStats(n_units, norms, clip, self.noise_std)
+
     def _row_norms(self, live, grads) -> torch.Tensor:
         """Norms [rows] of single-row units' gradients: sqrt(sum over layers ||g_r||^2 (||a_r||^2 + 1)), the 1
-        for a layer with a trainable bias (the weight of a constant input 1); two row reductions per layer, then
-        a handful of operations for all layers together."""
-        g_norms = torch.stack([torch.linalg.vector_norm(g, dim=1) for g in grads])  # [layers, rows]
-        a_norms = torch.stack([torch.linalg.vector_norm(a, dim=1) for _, a, _ in live])
-        biased = [bias is not None for (_, bias), _, _ in live]
-        bias_part = g_norms if all(biased) else g_norms * g_norms.new_tensor(biased).unsqueeze(1)
+        for a layer with a trainable bias (the weight of a constant input 1); two row reductions per layer written
+        into one buffer, then three operations for all layers together."""
+        norms = grads[0].new_empty(2, len(grads), grads[0].shape[0])  # [g or a, layer, row]
+        for i, (g, (_, a, _)) in enumerate(zip(grads, live)):
+            torch.linalg.vector_norm(g, dim=1, out=norms[0, i])
+            torch.linalg.vector_norm(a, dim=1, out=norms[1, i])
+        g_norms, a_norms = norms
+        bias_part = g_norms if self._all_biased else g_norms * self._bias_rows(live, g_norms)
         # per layer and row ||g|| sqrt(||a||^2 + [bias]) = hypot(||g|| ||a||, [bias] ||g||); then the norm over layers
-        return torch.linalg.vector_norm(torch.hypot(g_norms * a_norms, bias_part), dim=0)
+        return torch.linalg.vector_norm(torch.hypot(a_norms.mul_(g_norms), bias_part), dim=0)
+
+    @staticmethod
+    def _bias_rows(live, like: torch.Tensor) -> torch.Tensor:
+        """[layers, 1]: 1 for a layer with a trainable bias, else 0."""
+        return like.new_tensor([bias is not None for (_, bias), _, _ in live]).unsqueeze(1)
 
     def _write_bookkeeping(self, live, grads, row_factor: torch.Tensor, scale: float) -> None:
         """p.grad = noise / B + scale (c * G)^T A per layer: the clipped sum accumulated into the noise in place."""

@@ -47,6 +47,7 @@ class LinearTape:
         # id(layer) -> (calls, input, output); inputs are used under no_grad only, so they need no detach.
         self.records: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         hook = functools.partial(_record, self.records)
+        self._keys = [id(layer) for layer in self.layers]
         self.handles = [layer.register_forward_hook(hook) for layer in self.layers]
         self._finalizer = weakref.finalize(self, _remove_handles, list(self.handles))
 
@@ -67,6 +68,20 @@ class LinearTape:
                     "call per layer (compute targets under torch.no_grad, or use clipping='opacus')",
                 )
             taken.append((layer, record[1], record[2]))
+        return taken
+
+    def take_rows(self) -> Optional[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """(calls, input a, output) of every layer, taken, when each ran exactly once since the last take on 2-D
+        rows (the common case, with nothing else to check); None otherwise, the records left for ``take``."""
+        records = self.records
+        try:
+            taken = [records[key] for key in self._keys]
+        except KeyError:  # a layer that did not run
+            return None
+        for calls, _, out in taken:
+            if calls != 1 or out.dim() != 2:
+                return None
+        records.clear()
         return taken
 
     def discard(self) -> None:

@@ -9,10 +9,14 @@ seed is for tests and exact reproductions; the guarantee then holds only while t
 
 Where the noise is drawn.
 
-- CPU tensors: torch's CPU generator (MT19937) with its whole 19968-bit state secret (``SecretRoot``). The next
-  draw of a DP-SGD step can be drawn ahead on a background thread (``prefetch_like``): noise never depends on data,
-  and the draw order is kept (a pending draw that is not the next one asked for is undone by restoring the
-  generator state from before it), so a fixed seed gives the same numbers with or without drawing ahead.
+- CPU tensors: torch's CPU generator (MT19937) with its whole 19968-bit state secret (``SecretRoot``). A DP-SGD
+  step's draw (``gaussian_like``) is one ``torch.normal`` call of the parameters' total size rounded up to a
+  multiple of 16, the padding dropped: torch's CPU kernel fills the uniforms in order, one generator output each,
+  and turns them into normals in blocks of 16 (Box-Muller pairs i, i + 8), so a single call of k such sizes gives
+  exactly the numbers of k consecutive calls. That is what lets the next steps' draws be made ahead on a
+  background thread, several at once (``prefetch_like``): noise never depends on data, the draw order is kept (draws
+  made ahead that are not the next ones asked for are undone by restoring the generator state from before them),
+  and a fixed seed gives the same numbers with or without drawing ahead.
 - CUDA tensors: on the device, by torch's counter-based Philox4x32-10 generator (Salmon et al. 2011, "Parallel
   random numbers: as easy as 1, 2, 3"), re-keyed for every draw from a 256-bit secret ``device key`` (the stream's
   own SeedSequence words, independent of the MT19937 state). Draw number t uses
@@ -48,6 +52,7 @@ Where the noise is drawn.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
@@ -62,6 +67,14 @@ from dporl.utils.validation import ValidationError, check_positive
 
 _OFFSET_BITS = 61  # secret bits of the Philox offset: multiples of 4 below 2**63 (never near unsigned wrap-around)
 _PERSON = b"dporl-dev-noise"  # BLAKE2b personalisation: these PRF outputs serve nothing else
+_FILL = 16  # torch's CPU normal kernel turns uniforms into normals in blocks of this many
+# Draws made ahead at once: as many steps as fit in this many bytes (at least one, at most _AHEAD_STEPS). Each block
+# costs the thread one wake-up and two GIL hand-overs, so on small networks a block of many steps makes drawing
+# ahead nearly free on the step's own thread; two blocks live at a time (the one in use and the next).
+_AHEAD_BYTES = 8 << 20
+_AHEAD_STEPS = 16
+_KEPT_BUFFERS = 2  # blocks kept to draw into again (the one in use, and the one before whose last step's
+# gradients are usually dropped by the time the next block is asked for)
 
 
 def secret_generator(seed: int | None = None) -> torch.Generator:
@@ -101,7 +114,7 @@ def _device_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype, devic
 
 
 class _Worker:
-    """One daemon thread that runs one job at a time (the next step's noise draw), fed through two queues.
+    """One daemon thread that runs one job at a time (the next steps' noise draws), fed through two queues.
 
     The worker never refers to the source it serves (jobs are dropped once run), so a source that is collected
     stops its worker (``weakref.finalize``); ``stop`` joins the thread.
@@ -184,8 +197,7 @@ class NoiseSource:
         self._device_generators: dict[torch.device, torch.Generator] = {}
         self._worker: Optional[_Worker] = None
         self._worker_finalizer = None
-        # (request, generator state before the draw) of a draw running ahead on the worker
-        self._pending: Optional[tuple[tuple, torch.Tensor]] = None
+        self._ahead: Optional[_Ahead] = None  # draws made ahead on the worker (prefetch_like)
 
     # ------------------------------------------------------------------ Gaussian
     def gaussian(
@@ -203,14 +215,28 @@ class NoiseSource:
         values = torch.normal(0.0, std, shape, generator=self._generator, dtype=dtype)
         return values if device is None or device.type == "cpu" else values.to(device, non_blocking=True)
 
-    def gaussian_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+    def gaussian_like(self, tensors: Sequence[torch.Tensor], std: float, *, draw_ahead: bool = False
+                      ) -> list[torch.Tensor]:
         """Fresh N(0, std^2) tensors shaped, typed and placed like ``tensors`` (e.g. one per parameter).
 
-        One draw of the total size, split into views (no concatenation, no copy), in the tensors' order; on CUDA
-        it is drawn on the device (one kernel), elsewhere on the CPU stream (a draw made ahead by ``prefetch_like``
-        for the same request is used, see there). A subclass that overrides ``gaussian`` (e.g. exact discrete
-        noise) is drawn through it on the CPU and copied.
+        One draw, split into views (no concatenation, no copy), in the tensors' order; on CUDA it is drawn on the
+        device (one kernel), elsewhere on the CPU stream as the first values of one draw of the total size rounded
+        up to a multiple of 16 (a draw made ahead by ``prefetch_like`` for the same request is used, see there). A
+        subclass that overrides ``gaussian`` (e.g. exact discrete noise) is drawn through it on the CPU and copied.
+        ``draw_ahead``: then ``prefetch_like(tensors, std)`` (what a DP-SGD step asks for every step).
         """
+        ahead = self._ahead
+        if ahead is not None and ahead.serves(tensors, std):  # the steady state of a DP-SGD step: nothing to check
+            draws = self._take_ahead(ahead)
+            if draw_ahead and not ahead.in_flight:
+                self._submit(ahead)
+            return draws
+        draws = self._gaussian_like(tensors, std)
+        if draw_ahead:
+            self.prefetch_like(tensors, std)
+        return draws
+
+    def _gaussian_like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
         if not tensors:
             return []
         std = check_positive("noise.std", std, allow_zero=True)
@@ -220,41 +246,45 @@ class NoiseSource:
                 flat = self._device_gaussian((sum(t.numel() for t in tensors),), std, tensors[0].dtype, device)
                 return _split_like(flat, tensors)
             if device.type == "cpu":
-                request = _request(tensors, std)
-                if self._pending is not None and self._pending[0] == request:
-                    return self._take_pending()
+                ahead = self._ahead
+                if ahead is not None and ahead.request == _request(tensors, std):
+                    return self._take_ahead(ahead)
                 self._settle()
-                return _draw_like(self._generator, request, tensors)
+                numel = sum(t.numel() for t in tensors)
+                return _split_like(_draw_block(self._generator, 1, _padded(numel), dtype, std)[:numel], tensors)
         flat = self.gaussian(sum(t.numel() for t in tensors), std, dtype=tensors[0].dtype)
         if device.type != "cpu":
             flat = flat.to(device, non_blocking=True)
         return [chunk.view(t.shape).to(t.dtype) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     def prefetch_like(self, tensors: Sequence[torch.Tensor], std: float) -> bool:
-        """Start drawing the next ``gaussian_like(tensors, std)`` of CPU tensors on a background thread.
+        """Keep the next ``gaussian_like(tensors, std)`` draws of CPU tensors being drawn on a background thread.
 
-        The draw is the very one the next call would make (the generator state before it is kept): if the next
-        draw asked for is another one (other shapes, another std, a Laplace draw, ``state_dict``), the draw made
-        ahead is dropped and the generator rewound, so the stream a fixed seed gives never changes. Returns whether
-        a draw was started (never for CUDA tensors, drawn on the device, nor for a subclass's own ``gaussian``).
-        Call ``close`` (``DPSGDEngine.close`` does) to stop the thread.
+        Draws are made ahead in blocks of several steps (as many as fit in 8 MiB, up to 16), one ``torch.normal``
+        call per block: the very numbers the next calls would draw one by one (the generator state before each
+        block is kept). If the next draw asked for is another one (other shapes, another std, a Laplace draw,
+        ``state_dict``), the draws made ahead and not yet used are dropped and the generator rewound to the first of
+        them, so the stream a fixed seed gives never changes. Returns whether draws are being made ahead (never for
+        CUDA tensors, drawn on the device, nor for a subclass's own ``gaussian``). Call ``close``
+        (``DPSGDEngine.close`` does) to stop the thread.
         """
-        if not tensors or not self._fast() or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
-            return False
-        std = check_positive("noise.std", std, allow_zero=True)
-        self._settle()
-        if self._worker is None or not self._worker.alive():
-            self._worker = _Worker()
-            self._worker_finalizer = weakref.finalize(self, self._worker.stop)
-        request, like = _request(tensors, std), list(tensors)
-        state = self._generator.get_state()
-        generator = self._generator
-        self._worker.submit(lambda: _draw_like(generator, request, like))
-        self._pending = (request, state)
+        ahead = self._ahead
+        if ahead is None or not ahead.serves(tensors, std):
+            if not tensors or not self._fast() or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
+                return False
+            std = check_positive("noise.std", std, allow_zero=True)
+            request = _request(tensors, std)
+            if ahead is None or ahead.request != request:
+                self._settle()
+                ahead = self._ahead = _Ahead(request, sum(t.numel() for t in tensors), tensors[0].element_size())
+            ahead.like = tensors
+        if not ahead.in_flight:
+            self._submit(ahead)
         return True
 
     def close(self) -> None:
-        """Drop a draw made ahead (rewinding the stream) and stop the background thread; the source stays usable."""
+        """Drop the draws made ahead, if any (rewinding the stream), and stop the background thread; the source
+        stays usable."""
         self._settle()
         if self._worker_finalizer is not None:
             self._worker_finalizer()  # stops and joins the thread once
@@ -313,39 +343,137 @@ class NoiseSource:
         self._device_counter += 1
         return _device_normal(shape, std, dtype, device, generator, seed, offset)
 
-    def _take_pending(self) -> list[torch.Tensor]:
-        request, state = self._pending
-        self._pending = None
-        try:
-            return self._worker.result()
-        except BaseException:
-            self._generator.set_state(state)  # the draw failed: the stream stands where it stood before it
-            raise
+    def _submit(self, ahead: "_Ahead") -> None:
+        """Start drawing the next block of ``ahead`` on the worker (the generator is the worker's until it ends)."""
+        if self._worker is None or not self._worker.alive():
+            self._worker = _Worker()
+            self._worker_finalizer = weakref.finalize(self, self._worker.stop)
+        ahead.next_state = self._generator.get_state()
+        _, dtype, std = ahead.request
+        out = ahead.free_buffer()
+        self._worker.submit(functools.partial(_draw_block, self._generator, ahead.steps, ahead.padded, dtype, std, out))
+        ahead.in_flight = True
+
+    def _take_ahead(self, ahead: "_Ahead") -> list[torch.Tensor]:
+        """The next draw of ``ahead`` (views like the request's tensors), waiting for the next block when the one
+        in use is spent."""
+        if ahead.block is None or ahead.used == ahead.steps:
+            if not ahead.in_flight:  # prefetch_like was not called since the last block was taken
+                self._submit(ahead)
+            try:
+                block = self._worker.result()
+            except BaseException:
+                self._ahead = None
+                self._generator.set_state(ahead.next_state)  # the block failed: the stream stands before it
+                raise
+            ahead.keep(block)
+            ahead.block, ahead.used, ahead.block_state = _step_views(block, ahead), 0, ahead.next_state
+            ahead.in_flight, ahead.next_state = False, None
+        ahead.used += 1
+        return ahead.block[ahead.used - 1]
 
     def _settle(self) -> None:
-        """Drop a draw made ahead, if any, and put the generator back where it stood before it."""
-        if self._pending is None:
+        """Drop the draws made ahead, if any, and put the generator where the first unused one began."""
+        ahead = self._ahead
+        if ahead is None:
             return
-        _, state = self._pending
-        self._pending = None
-        if self._worker is not None and self._worker.alive():
-            try:
-                self._worker.result()
-            except Exception:  # the dropped draw's own failure: nothing of it is used
-                pass
-        else:  # a forked child: the thread that drew does not exist here
-            self._worker, self._worker_finalizer = None, None
-        self._generator.set_state(state)
+        self._ahead = None
+        if ahead.in_flight:
+            if self._worker is not None and self._worker.alive():
+                try:
+                    self._worker.result()
+                except Exception:  # the dropped block's own failure: nothing of it is used
+                    pass
+            else:  # a forked child: the thread that drew does not exist here
+                self._worker, self._worker_finalizer = None, None
+        if ahead.block is not None and ahead.used < ahead.steps:
+            # Back to the start of the block in use, then the draws already handed out drawn again (one call).
+            self._generator.set_state(ahead.block_state)
+            if ahead.used:
+                _, dtype, std = ahead.request
+                _draw_block(self._generator, ahead.used, ahead.padded, dtype, std)
+        elif ahead.in_flight:
+            self._generator.set_state(ahead.next_state)
+
+
+class _Ahead:
+    """The draws made ahead for one ``gaussian_like`` request: a block of ``steps`` draws of ``padded`` values,
+    kept as each step's views (``used`` of them handed out; the generator state before it, ``block_state``), and
+    whether the next block is being drawn on the worker from ``next_state``."""
+
+    __slots__ = ("request", "numel", "padded", "steps", "block", "used", "block_state", "next_state", "in_flight",
+                 "like", "buffers")
+
+    def __init__(self, request: tuple, numel: int, element_size: int):
+        self.request, self.numel, self.padded = request, numel, _padded(numel)
+        self.like: Sequence[torch.Tensor] = ()  # the sequence last checked against the request (identity)
+        self.steps = max(1, min(_AHEAD_STEPS, _AHEAD_BYTES // (self.padded * element_size)))
+        self.block: Optional[list[list[torch.Tensor]]] = None  # per step, the views of one draw
+        self.used = 0
+        self.block_state: Optional[torch.Tensor] = None
+        self.next_state: Optional[torch.Tensor] = None
+        self.in_flight = False
+        self.buffers: list[torch.Tensor] = []  # the last blocks received (flat), to draw into again once unused
+
+    def keep(self, block: torch.Tensor) -> None:
+        self.buffers = [block] + self.buffers[:_KEPT_BUFFERS - 1]
+
+    def free_buffer(self) -> Optional[torch.Tensor]:
+        """A block received earlier that nothing refers to any more (no view of it alive: no gradient, no step's
+        views; whatever a caller kept keeps its block from being reused), to draw the next block into: fresh pages
+        of a few MB cost more than the draw on some machines. None: allocate."""
+        for i, buffer in enumerate(self.buffers):
+            if _unshared(buffer):
+                return self.buffers.pop(i)
+        return None
+
+
+    def serves(self, tensors: Sequence[torch.Tensor], std: float) -> bool:
+        """Whether a request is this one without checking every tensor again: the very sequence that was checked
+        (so all CPU, one dtype), with the same shapes, first dtype and std (a parameter moved or cast since then
+        changes the first's dtype or device, or fails where its gradient is written)."""
+        return tensors is self.like and tensors[0].is_cpu and self.request == _request(tensors, std)
+
+
+def _step_views(block: torch.Tensor, ahead: _Ahead) -> list[list[torch.Tensor]]:
+    """A block of draws as, per step, views shaped like the request's tensors (two calls per tensor, made once a
+    block rather than once a step)."""
+    rows = block.view(ahead.steps, ahead.padded)
+    per_tensor, offset = [], 0
+    for shape in ahead.request[0]:
+        numel = shape.numel()
+        per_tensor.append(rows[:, offset:offset + numel].view(ahead.steps, *shape).unbind(0))
+        offset += numel
+    return [list(views) for views in zip(*per_tensor)]
+
+
+def _padded(numel: int) -> int:
+    """``numel`` rounded up to whole blocks of torch's CPU normal kernel (at least one)."""
+    return max(1, -(-numel // _FILL)) * _FILL
+
+
+def _draw_block(generator: torch.Generator, steps: int, padded: int, dtype: torch.dtype, std: float,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``steps`` consecutive draws of ``padded`` normals (a multiple of 16) in one call: the same numbers as
+    ``steps`` calls of ``padded`` each, since the kernel draws its uniforms in order and never recomputes a tail.
+    ``out``: a flat buffer of that size and dtype to draw into (the same numbers)."""
+    if out is None:
+        return torch.normal(0.0, std, (steps * padded,), generator=generator, dtype=dtype)
+    return out.normal_(0.0, std, generator=generator)
+
+
+def _unshared(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage is held by that tensor alone (no view of it, anywhere, is alive). Without
+    torch's use count (a private function) nothing counts as unshared, so nothing is reused."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata) <= 2  # the tensor and the storage object just made for the question
 
 
 def _request(tensors: Sequence[torch.Tensor], std: float) -> tuple:
     return tuple(t.shape for t in tensors), tensors[0].dtype, float(std)
-
-
-def _draw_like(generator: torch.Generator, request: tuple, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    shapes, dtype, std = request
-    flat = torch.normal(0.0, std, (sum(s.numel() for s in shapes),), generator=generator, dtype=dtype)
-    return _split_like(flat, tensors)
 
 
 def _split_like(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
