@@ -133,7 +133,16 @@ class Setup:
         of the ``noise.py`` beside it when there is one. ``fused=False``: with plain Adam, as an older trainer built
         it, and its own non-private step; ``fused=True``: its book-keeping DP step alone, with this trainer's
         optimizer, against this run's non-private step."""
-        module = _load(engine_file, "before_dpsgd")
+        kernels_file = Path(engine_file).with_name("dpsgd_kernels.py")
+        if kernels_file.exists():  # the older engine with its own kernels (bound when it is loaded)
+            current = sys.modules["dporl.privacy.dpsgd_kernels"]
+            sys.modules["dporl.privacy.dpsgd_kernels"] = _load(str(kernels_file), "before_dpsgd_kernels")
+            try:
+                module = _load(engine_file, "before_dpsgd")
+            finally:
+                sys.modules["dporl.privacy.dpsgd_kernels"] = current
+        else:
+            module = _load(engine_file, "before_dpsgd")
         noise_file = Path(engine_file).with_name("noise.py")
         noise_module = _load(str(noise_file), "before_noise") if noise_file.exists() else None
         modes = []
