@@ -151,3 +151,25 @@ def test_dporl_data_inspect_says_it_is_curator_only(tmp_path, capsys):
     assert main(["data", "inspect", str(path), "--episode", "episode"]) == 2  # the mapping is incomplete
     assert "error: --unit" in capsys.readouterr().err
     assert main(["audit", "--list"]) == 0 and "dpsgd_step" in capsys.readouterr().out
+
+
+def test_dporl_imports_and_trains_without_the_minari_extra(tmp_path):
+    """Minari is an extra: without it the package, the trainer and the table reader import, and only reading a
+    Minari dataset asks for the extra (by name)."""
+    script = """
+import importlib.abc, sys
+class NoMinari(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "minari" or name.startswith("minari."):
+            raise ImportError("minari is not installed")
+sys.meta_path.insert(0, NoMinari())
+import dporl, dporl.data, dporl.train.trainer, dporl.cli
+try:
+    dporl.read_minari("some-dataset", unit="clinician")
+except ImportError as error:
+    print("asked for:", error)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'dporl[minari]'" in result.stdout

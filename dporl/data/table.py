@@ -70,7 +70,6 @@ from typing import Any, Literal, Mapping, Optional
 import numpy as np
 
 from dporl.data.dataset import DatasetMetadata, TrajectoryDataset
-from dporl.data.minari_io import import_minari
 from dporl.data.table_checks import _factorize, _integers
 from dporl.data.table_phases import (
     DEFAULT_ENV_ID,
@@ -199,6 +198,8 @@ def read_minari(
     """A local Minari dataset with the privacy unit named: ``unit`` is the info key holding each episode's unit id
     (constant over the episode), or a mapping Minari episode id -> unit id. Wraps
     ``dporl.data.minari_io.import_minari``; the unit column and keys are recorded as ``read_table`` records them."""
+    from dporl.data.minari_io import import_minari  # the minari extra, needed here only
+
     dataset = import_minari(
         source, expert_id_key=unit, root=root, behavior_log_prob_key=behavior_log_prob_key, progress=progress
     )
