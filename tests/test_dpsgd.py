@@ -367,9 +367,14 @@ def test_row_weights_with_a_samplers_row_layout_match_checked_ids(mode):
 
 
 # ---------------------------------------------------------------------------------------------- cost features
-def test_a_frozen_bias_is_not_part_of_the_clipped_norm():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_frozen_bias_is_not_part_of_the_clipped_norm(sampled):
     """Per-unit clipping is exact for what is trained: a Linear whose bias is frozen contributes ||g||^2 ||a||^2
-    (no bias term) to the norm, as the reference autograd per-unit computation does."""
+    (no bias term) to the norm, as the reference autograd per-unit computation does; with ids checked, and with a
+    sampler's one-row layout (the single-row path)."""
+    from dporl.privacy.samplers import RowLayout
+
+    layout = {"layout": RowLayout(rows_per_unit=1)} if sampled else {}
     torch.manual_seed(6)
     model = QNet()
     model.q[0].bias.requires_grad_(False)
@@ -379,7 +384,7 @@ def test_a_frozen_bias_is_not_part_of_the_clipped_norm():
     for mode in ["bookkeeping", "ghost"]:
         engine = DPSGDEngine(model, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=1.0,
                              noise=NoiseSource(0), mode=mode)
-        stats = engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units)
+        stats = engine.private_backward(model.row_losses(*batch), torch.arange(n_units), n_units, **layout)
         assert stats.clip_fraction == 1.0
         for w, p in zip(want, engine.params):
             torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)

@@ -298,21 +298,33 @@ def test_a_block_is_drawn_into_again_only_when_nothing_refers_to_it(monkeypatch)
     del view
     assert noise_module._unshared(lone)
 
-    params = _params((9, 5), (5,))
-    kept, reference = [], NoiseSource(17)
-    ahead = NoiseSource(17)
-    for _ in range(12):  # every draw kept: no buffer may be reused
-        kept.append(ahead.gaussian_like(params, 1.0, draw_ahead=True))
-    for draw in kept:
-        assert torch.equal(_flat(draw), _flat(reference.gaussian_like(params, 1.0)))
-    pointers = set()
-    for _ in range(12):  # nothing kept: the blocks are reused
-        draw = ahead.gaussian_like(params, 1.0, draw_ahead=True)
-        pointers.add(draw[0].untyped_storage().data_ptr())
-        assert torch.equal(_flat(draw), _flat(reference.gaussian_like(params, 1.0)))
-        del draw
-    assert len(pointers) <= 3
-    ahead.close()
+    fresh = []  # per draw or block (steps), whether it was drawn into a new buffer
+    draw_block = noise_module._draw_block
+
+    def counting(generator, steps, padded, dtype, std, out=None):
+        fresh.append((steps, out is None))
+        return draw_block(generator, steps, padded, dtype, std, out)
+
+    monkeypatch.setattr(noise_module, "_draw_block", counting)
+    params = _params((9, 5), (5,))  # 50 values, drawn as 64
+    plain, ahead, raw = NoiseSource(17), NoiseSource(17), NoiseSource(17)
+    for draw_ahead in (True, False):
+        source = ahead if draw_ahead else plain
+        kept = [source.gaussian_like(params, 1.0, draw_ahead=draw_ahead) for _ in range(12)]  # all kept
+        for draw in kept:  # none overwritten: each is still the stream's draw (gaussian is never drawn into)
+            assert torch.equal(_flat(draw), raw.gaussian(64, 1.0)[:50])
+        assert all(new for _, new in fresh)
+        kept.clear()
+        fresh.clear()
+        for _ in range(12):  # nothing kept: buffers are drawn into again, with the same numbers
+            draw = source.gaussian_like(params, 1.0, draw_ahead=draw_ahead)
+            assert torch.equal(_flat(draw), raw.gaussian(64, 1.0)[:50])
+            del draw
+        source.close()  # waits for the block in flight (drawn into a buffer drawn before, too), then rewinds
+        draws = [new for steps, new in fresh if steps == (2 if draw_ahead else 1)]  # not the rewind's replay
+        assert len(draws) >= 6 and not any(draws[2:]), (draw_ahead, fresh)  # after two, every buffer reused
+        fresh.clear()
+        raw = NoiseSource(17)
 
 
 def test_drawing_ahead_resumes_from_a_state_taken_while_a_draw_is_pending():
