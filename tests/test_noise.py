@@ -376,6 +376,27 @@ def test_a_failed_draw_ahead_is_raised_and_leaves_the_stream_where_it_stood(monk
     source.close()
 
 
+def test_a_forked_child_draws_the_block_its_parent_was_drawing_again(monkeypatch):
+    import dporl.privacy.noise as noise_module
+
+    monkeypatch.setattr(noise_module, "_AHEAD_STEPS", 2)
+    params = _params((6,))
+    source, reference = NoiseSource(14), NoiseSource(14)
+    for _ in range(3):  # the third call takes the second draw of the first block; the second block is in flight
+        assert torch.equal(_flat(source.gaussian_like(params, 1.0, draw_ahead=True)),
+                           _flat(reference.gaussian_like(params, 1.0)))
+    worker = source._worker
+    worker.result()  # let the parent's thread finish, then pretend to be a child process without that thread
+    worker.busy, worker.pid = True, -1
+    for _ in range(3):  # no waiting on a thread that does not exist: the block is drawn again here
+        assert torch.equal(_flat(source.gaussian_like(params, 1.0, draw_ahead=True)),
+                           _flat(reference.gaussian_like(params, 1.0)))
+    assert source._worker is not worker
+    source.close()
+    worker.pid, worker.busy = __import__("os").getpid(), False
+    worker.stop()
+
+
 def test_a_forked_child_drops_the_parents_pending_draw():
     params = _params((6,))
     source, reference = NoiseSource(13), NoiseSource(13)

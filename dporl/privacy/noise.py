@@ -362,6 +362,9 @@ class NoiseSource:
         """The next draw of ``ahead`` (views like the request's tensors), waiting for the next block when the one
         in use is spent."""
         if ahead.block is None or ahead.used == ahead.steps:
+            if ahead.in_flight and not self._worker.alive():  # a forked child: the parent's thread drew the block
+                self._settle()  # rewound to where that block began; then drawn again on a thread of this process
+                self._ahead, ahead.block, ahead.in_flight, ahead.buffers = ahead, None, False, _Buffers()
             if not ahead.in_flight:  # prefetch_like was not called since the last block was taken
                 self._submit(ahead)
             try:
@@ -478,13 +481,16 @@ def _draw_block(generator: torch.Generator, steps: int, padded: int, dtype: torc
 
 
 def _unshared(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s storage is held by that tensor alone (no view of it, anywhere, is alive). Without
-    torch's use count (a private function) nothing counts as unshared, so nothing is reused."""
+    """Whether ``tensor``'s storage is held by that tensor alone (no view of it, anywhere, is alive): its use count
+    equals a lone tensor's, measured the same way. Without torch's use count (a private function) nothing counts
+    as unshared, so nothing is reused."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return False
-    storage = tensor.untyped_storage()
-    return use_count(storage._cdata) <= 2  # the tensor and the storage object just made for the question
+    # Both storages are held by a name while they are counted (a temporary would be freed before the count).
+    lone = torch.empty(1)
+    storage, lone_storage = tensor.untyped_storage(), lone.untyped_storage()
+    return use_count(storage._cdata) <= use_count(lone_storage._cdata)
 
 
 def _request(tensors: Sequence[torch.Tensor], std: float) -> tuple:
