@@ -33,7 +33,8 @@ vs uniform rows for the non-private step).
     python benchmarks/bench_dpsgd.py --sweep --before-engine OLD/dporl/privacy/dpsgd.py
                                                      # also an older engine with plain Adam (before/after)
     python benchmarks/bench_dpsgd.py --grid --before-engine OLD/dporl/privacy/dpsgd.py
-                                                     # and an older engine (and its noise.py) with this optimizer
+                                                     # and an older engine (and the noise.py and dpsgd_kernels.py
+                                                     # beside it) with this optimizer
 """
 
 from __future__ import annotations

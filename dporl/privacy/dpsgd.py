@@ -177,11 +177,6 @@ class DPSGDEngine:
         ]
         biased = [bias is not None for _, bias in self._slots]
         self._biased = None if all(biased) else biased  # per tape layer, whether its bias is trained (None: all)
-        # Per tape layer: its slots and whether its output side is the narrower (scaled in place by the clip factors).
-        self._rows_plan = [] if self._tape is None else [
-            (weight, bias, layer.out_features <= layer.in_features)
-            for (weight, bias), layer in zip(self._slots, self._tape.layers)
-        ]
         # Draw the next step's noise on a background thread while this step runs (CPU parameters only; the stream,
         # hence a fixed seed's numbers, is unchanged: NoiseSource.prefetch_like). None: where a core is left over.
         if prefetch_noise is None:
@@ -390,20 +385,8 @@ class DPSGDEngine:
         with torch.no_grad():
             norms = self._row_norms([a for _, a, _ in taken], grads, self._biased)
             factor = torch.clamp(norms, min=clip).reciprocal_()  # C / max(norm, C), the C folded into the scale
-            column = factor.unsqueeze(1)
-            scale = clip / self.expected_batch_size
-            noise = self._noise()
-            for (weight, bias, scale_output), (_, a, _), g in zip(self._rows_plan, taken, grads):
-                if bias is not None:
-                    noise[bias].addmv_(g.T, factor, alpha=scale)
-                if not scale_output:
-                    noise[weight].addmm_(g.T, a * column, alpha=scale)
-                elif g.is_contiguous():  # autograd's fresh output gradient is ours to scale in place
-                    noise[weight].addmm_(g.mul_(column).T, a, alpha=scale)
-                else:
-                    noise[weight].addmm_((g * column).T, a, alpha=scale)
-            for p, buffer in zip(self.params, noise):
-                p.grad = buffer
+            live = [(slot, a, out) for slot, (_, a, out) in zip(self._slots, taken)]
+            self._write_bookkeeping(live, grads, factor, clip / self.expected_batch_size)
         return StepStats(n_units, norms, clip, self.noise_std)
 
     @staticmethod
